@@ -1,0 +1,482 @@
+"""Config machinery: dataclass sections, loaded from TOML and overridden by `--section.key value`.
+
+A run's config is a tree of dataclasses. The root's fields are sections (`job`, `training`, ...);
+a section may nest further sections (`quantize.linear.float8`). Each package owns the dataclass
+of its own sections; this module only knows how to load, merge, check, print and dump them.
+
+Precedence is CLI > TOML > defaults. Every problem is reported at once, before any work
+starts, as a `ConfigError` naming the key, the value, what is allowed and, where a name is
+close, what the user probably meant.
+
+A field's docstring (the string literal right under it) is its `--help` text.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import json
+import math
+import textwrap
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
+
+CONFIG_FILE_FLAGS = ("--job.config_file", "--config")
+
+
+class ConfigError(ValueError):
+    """One or more config problems. `str()` is the message a user sees, one problem per
+    paragraph, each line already prefixed for the terminal."""
+
+    def __init__(self, problems: str | Sequence[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        out = []
+        for problem in self.problems:
+            first, *rest = problem.split("\n")
+            out.append("titan: config error: " + first)
+            out.extend("       " + line for line in rest)
+        return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- introspection
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under each field of a dataclass (PEP 257 attribute docstrings)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _strip_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def describe_type(tp: Any) -> str:
+    """A short, user-facing name of a field type: `int`, `bool`, `list[str]`, `one of a, b`."""
+    tp, optional = _strip_optional(tp)
+    if typing.get_origin(tp) is Literal:
+        text = "one of " + ", ".join(_show(v) for v in typing.get_args(tp))
+    elif typing.get_origin(tp) in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1] or (Any,)
+        text = f"list[{describe_type(inner)}]"
+    else:
+        text = getattr(tp, "__name__", str(tp))
+    return text + (" or none" if optional else "")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- coercion
+
+
+class _BadValue(Exception):
+    pass
+
+
+def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
+    """Turn a TOML value (typed) or a CLI string into a value of type `tp`, or raise _BadValue."""
+    tp, optional = _strip_optional(tp)
+    if optional and (value is None or (from_cli and value.lower() in ("none", "null"))):
+        return None
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:
+            try:
+                candidate = _coerce(value, type(choice), from_cli)
+            except _BadValue:
+                continue
+            if candidate == choice:
+                return choice
+        raise _BadValue(f"allowed: {', '.join(_show(c) for c in choices)}")
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(tp)[:1] or (Any,)
+        if from_cli:
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    items = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise _BadValue(f"expected a list such as [1, 2] or a,b ({e.msg})") from None
+                return [_coerce(v, inner, False) for v in items]
+            items = [s.strip() for s in text.split(",")] if text else []
+            return [_coerce(v, inner, True) for v in items]
+        if not isinstance(value, list):
+            raise _BadValue("expected a list")
+        return [_coerce(v, inner, False) for v in value]
+    if tp is bool:
+        if from_cli:
+            lowered = value.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+        elif isinstance(value, bool):
+            return value
+        raise _BadValue("expected true or false")
+    if tp is int:
+        if from_cli:
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                raise _BadValue("expected an integer") from None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _BadValue("expected an integer")
+    if tp is float:
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                raise _BadValue("expected a number") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _BadValue("expected a number")
+    if tp is str:
+        if from_cli or isinstance(value, str):
+            return value
+        raise _BadValue("expected a string")
+    if tp is Any:
+        return value
+    raise TypeError(f"config fields of type {tp!r} are not supported")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclasses.dataclass
+class _Raw:
+    value: Any
+    source: str  # "--a.b" or "file.toml" (for messages)
+    from_cli: bool
+
+
+def _suggest(name: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f"\ndid you mean {close[0]}?" if close else ""
+
+
+def _section_label(path: Sequence[str]) -> str:
+    return "[" + ".".join(path) + "]" if path else "the top level"
+
+
+def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: list[str]) -> T:
+    """Instantiate `cls` from defaults overlaid with `raw` (nested dicts of _Raw leaves)."""
+    fields = _fields(cls)
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, item in raw.items():
+        if key not in fields:
+            where = _where(item)
+            kind = "section" if isinstance(item, dict) and not path else "key"
+            label = f"[{'.'.join((*path, key))}]" if kind == "section" else f"{_section_label(path)} {key}"
+            problems.append(f"unknown {kind} {label}{where}{_suggest(key, list(fields))}")
+            continue
+        tp = hints[key]
+        if _is_section(tp):
+            if not isinstance(item, dict):
+                problems.append(
+                    f"{'.'.join((*path, key))} is a section, not a value{_where(item)}\n"
+                    f"set its keys instead, e.g. --{'.'.join((*path, key))}.<key> VALUE"
+                )
+                continue
+            kwargs[key] = _build(tp, item, (*path, key), problems)
+            continue
+        if isinstance(item, dict):
+            problems.append(f"{_section_label(path)} {key} is a value, not a section{_where(item)}")
+            continue
+        try:
+            kwargs[key] = _coerce(item.value, tp, item.from_cli)
+        except _BadValue as e:
+            shown = json.dumps(item.value) if item.from_cli else _show(item.value)
+            reason = str(e) if str(e).startswith("allowed") else f"{e}; the type is {describe_type(tp)}"
+            problems.append(f"{_section_label(path)} {key} = {shown} is not valid{_where(item)}\n{reason}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section's __post_init__ may check its own values
+        problems.extend(e.problems)
+        return cls()
+
+
+def _where(item: Any) -> str:
+    if isinstance(item, _Raw):
+        return f" (from {item.source})"
+    if isinstance(item, dict):
+        leaves = list(_leaves(item))
+        return f" (from {leaves[0].source})" if leaves else ""
+    return ""
+
+
+def _leaves(tree: dict[str, Any]):
+    for value in tree.values():
+        if isinstance(value, dict):
+            yield from _leaves(value)
+        else:
+            yield value
+
+
+def _from_toml(data: dict[str, Any], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out[key] = _from_toml(value, source) if isinstance(value, dict) else _Raw(value, source, False)
+    return out
+
+
+def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[str]]:
+    """`--a.b.c VALUE`, `--a.b.c=VALUE`, and bare `--a.b.flag` for a boolean true."""
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            problems.append(f"unexpected argument {arg!r}\noptions look like --section.key VALUE")
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            takes_value = not _is_bool_field(root, name.split("."))
+            if i < len(args) and (takes_value or not args[i].startswith("--")):
+                value = args[i]
+                i += 1
+            elif takes_value:
+                problems.append(f"--{name} needs a value")
+                continue
+            else:
+                value = "true"
+        parts = name.split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                problems.append(f"--{name} conflicts with another option")
+                break
+        else:
+            node[parts[-1]] = _Raw(value, f"--{name}", True)
+    return tree, problems
+
+
+def _is_bool_field(root: type, parts: list[str]) -> bool:
+    cls: Any = root
+    for part in parts:
+        if not _is_section(cls) or part not in _fields(cls):
+            return False
+        cls = _hints(cls)[part]
+    return _strip_optional(cls)[0] is bool
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls: type[T], args: Sequence[str] = (), *, toml_path: str | Path | None = None) -> T:
+    """Build a `cls` config from its defaults, a TOML file and `--section.key value` overrides.
+
+    The TOML file comes from `toml_path` or from `--job.config_file PATH` among `args`.
+    Raises `ConfigError` listing every problem found.
+    """
+    args = list(args)
+    for flag in CONFIG_FILE_FLAGS:
+        for i, arg in enumerate(args):
+            if arg == flag and i + 1 < len(args):
+                toml_path = args[i + 1]
+                if flag != "--job.config_file":
+                    del args[i : i + 2]
+                break
+            if arg.startswith(flag + "="):
+                toml_path = arg.split("=", 1)[1]
+                if flag != "--job.config_file":
+                    del args[i]
+                break
+    raw: dict[str, Any] = {}
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist\npass an existing TOML file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        raw = _from_toml(data, path.name)
+    cli, problems = _parse_cli(args, cls)
+    raw = _merge(raw, cli)
+    config = _build(cls, raw, (), problems)
+    if not problems:
+        problems.extend(validate(config))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def validate(config: Any) -> list[str]:
+    """Run every section's `validate()` (if it has one), deepest first, then the root's.
+
+    A `validate()` returns a list of problems (or raises ConfigError); it is where a section
+    checks combinations of its own keys. Cross-section checks belong on the root.
+    """
+    problems: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            problems.extend(validate(value))
+    check = getattr(config, "validate", None)
+    if callable(check):
+        try:
+            problems.extend(check() or [])
+        except ConfigError as e:
+            problems.extend(e.problems)
+    return problems
+
+
+# ----------------------------------------------------------------------------- help and dump
+
+
+def iter_options(cls: type, path: tuple[str, ...] = ()):
+    """Yield (dotted name, type, default, doc) for every leaf option under `cls`."""
+    hints = _hints(cls)
+    docs = field_docs(cls)
+    for name, f in _fields(cls).items():
+        tp = hints[name]
+        if _is_section(tp):
+            yield from iter_options(tp, (*path, name))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        yield ".".join((*path, name)), tp, default, docs.get(name, "")
+
+
+def render_help(cls: type, prog: str = "titan-train") -> str:
+    """`--help` text: every option with its type, default and the first line of its doc."""
+    lines = [
+        f"usage: {prog} [--job.config_file FILE.toml] [--section.key VALUE ...]",
+        "",
+        "Options come from defaults, then the TOML file, then the command line (which wins).",
+        "Booleans: --section.flag (true) or --section.flag false. Lists: a,b,c or [1, 2].",
+    ]
+    section = None
+    for name, tp, default, doc in iter_options(cls):
+        head = name.rsplit(".", 1)[0] if "." in name else ""
+        if head != section:
+            section = head
+            lines += ["", f"[{head}]" if head else "[top level]"]
+        shown = "(required)" if default is dataclasses.MISSING else f"(default: {_show(default)})"
+        lines.append(f"  --{name} {describe_type(tp)} {shown}")
+        summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+        if summary:
+            lines.append("      " + summary)
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def to_toml(config: Any) -> str:
+    """Dump a config tree to TOML; `load_config(type(c), toml_path=...)` reads it back equal.
+
+    Keys whose value is None are left out (TOML has no null), which reads back as the field's
+    default; `Optional` fields must therefore default to None.
+    """
+    out: list[str] = []
+
+    def emit(obj: Any, path: tuple[str, ...]) -> None:
+        leaves, sections = [], []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            (sections if dataclasses.is_dataclass(value) else leaves).append((f.name, value))
+        present = [(k, v) for k, v in leaves if v is not None]
+        if path and (present or not sections):
+            out.append(f"\n[{'.'.join(path)}]")
+        out.extend(f"{k} = {_toml_value(v)}" for k, v in present)
+        for name, value in sections:
+            emit(value, (*path, name))
+
+    emit(config, ())
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """A plain nested dict of the config, for logging and checkpoints."""
+    return dataclasses.asdict(config)

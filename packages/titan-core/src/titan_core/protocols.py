@@ -1,0 +1,180 @@
+"""The small contracts through which Titan's packages meet without importing each other.
+
+titan-models describes a model with a `ModelSpec`; titan-parallel reads the model's
+`TPPlan` and block container; titan-ckpt reads its `HFAdapter`; titan-data is found through a
+`DataSpec`; Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`.
+Everything here is plain data or a `typing.Protocol`: a third-party package satisfies it
+without inheriting from anything of ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# ----------------------------------------------------------------------------- models
+
+TPStyle = Literal[
+    "embedding",  # nn.Embedding sharded on the vocabulary; output replicated, or sequence-sharded with SP
+    "colwise",  # nn.Linear sharded on its output features; input replicated
+    "rowwise",  # nn.Linear sharded on its input features; output all-reduced (or reduce-scattered with SP)
+    "sequence_parallel",  # a norm that runs on sequence-sharded activations when SP is on
+    "block_input",  # a module (attention, feed-forward) whose first input is gathered from sequence shards
+    "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
+]
+"""How one submodule is split across the tensor-parallel group (see `TPPlan`)."""
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """A model's tensor-parallel plan, as data.
+
+    Keys are module names relative to the model root (`root`) or to each repeated block
+    (`block`); values are `TPStyle`s. titan-parallel turns the styles into torch's
+    `ParallelStyle`s, honouring sequence parallel and loss parallel switches, so a model
+    author never imports torch.distributed.tensor.parallel.
+
+    Modules with per-head state must reshape with `-1` for the head count so that they work
+    with the local (sharded) number of heads.
+    """
+
+    root: Mapping[str, TPStyle] = field(default_factory=dict)
+    block: Mapping[str, TPStyle] = field(default_factory=dict)
+    divisible_by_tp: Mapping[str, int] = field(default_factory=dict)
+    """Sizes that must divide by the TP degree, by name (e.g. {"n_heads": 32, "n_kv_heads": 8})."""
+
+
+@runtime_checkable
+class ParallelizableModel(Protocol):
+    """What titan-parallel and the trainer need from a model.
+
+    `layers` holds the repeated blocks in an `nn.ModuleDict` keyed "0", "1", ...: FSDP,
+    activation checkpointing and compile wrap each block, and pipeline parallel deletes the
+    blocks a stage does not own while the fully qualified names of the rest stay stable.
+    The modules named in `pre_blocks`/`post_blocks` may be set to None by pipeline parallel,
+    and `forward` must then pass its input through them unchanged.
+    """
+
+    layers: nn.ModuleDict
+    pre_blocks: tuple[str, ...]
+    post_blocks: tuple[str, ...]
+
+    def tp_plan(self) -> TPPlan: ...
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Give every parameter and buffer its initial value (after `to_empty`)."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at this sequence length."""
+
+
+class HFAdapter(Protocol):
+    """Converts a model's state dict to and from Hugging Face names and layouts."""
+
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def hf_config(self) -> dict[str, Any]:
+        """The `config.json` a Hugging Face loader needs for these weights."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family, registered under the `titan.models` entry-point group.
+
+    `build(args)` returns the module; call it under `torch.device("meta")` and materialise
+    with `to_empty` + `init_weights`. `flavors` maps names ("debugmodel", "8B", ...) to the
+    family's argument dataclass.
+    """
+
+    name: str
+    flavors: Mapping[str, Any]
+    build: Callable[[Any], nn.Module]
+    hf_adapter: Callable[[Any], HFAdapter] | None = None
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@runtime_checkable
+class StatefulLoader(Protocol):
+    """An iterable of `(inputs, labels)` int64 batches of shape [batch, seq_len] that can be
+    checkpointed: after `load_state_dict(sd)` a fresh loader yields exactly the batches that
+    followed when `sd` was taken."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A data package, registered under the `titan.data` entry-point group.
+
+    `build_tokenizer(name_or_path)` and `build_dataloader(...)` take plain arguments (see
+    titan-data's README for the keyword arguments the trainer passes).
+    """
+
+    name: str
+    build_tokenizer: Callable[..., Tokenizer]
+    build_dataloader: Callable[..., StatefulLoader]
+
+
+# ----------------------------------------------------------------------------- converters
+
+
+@runtime_checkable
+class Converter(Protocol):
+    """Swaps modules of a model built on the meta device (e.g. nn.Linear -> Float8Linear),
+    before any parallelism is applied. Registered under `titan.converters`."""
+
+    def convert(self, model: nn.Module) -> None: ...
+
+    def post_optimizer_hook(self, model: nn.Module) -> None:
+        """Called by the trainer after every optimizer step (e.g. to precompute scales)."""
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """Saves and restores the training state. Registered under `titan.checkpointers`.
+
+    The trainer hands it a dict of `Stateful`s (model, optimizer, lr_scheduler, dataloader,
+    train_state) when it is built, then calls `load()` once and `save(step)` every step; the
+    checkpointer decides from its own config whether a step is due.
+    """
+
+    def load(self, step: int = -1) -> int | None:
+        """Restore the states; return the step restored, or None when there is nothing to load."""
+
+    def save(self, step: int, *, last_step: bool = False) -> None: ...
+
+    def close(self) -> None:
+        """Finish in-flight saves and release resources."""

@@ -1,0 +1,37 @@
+"""The config sections titan-core owns: [job] and [comm]."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file to read options from; command-line flags override it."""
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes: logs, TensorBoard, checkpoints, the resolved config."""
+    description: str = "Titan training job"
+    """Free text describing the run, written to the log."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where to compute: auto picks cuda when a GPU is visible, else cpu."""
+    print_config: bool = False
+    """Log the resolved config at start-up."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout for process-group initialisation and the first collectives."""
+    train_timeout_seconds: int = 100
+    """Timeout for collectives once training runs (a hang becomes an error after this)."""
+    trace_buf_size: int = 20000
+    """Flight-recorder ring size for NCCL collective traces (0 turns it off)."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        for key in ("init_timeout_seconds", "train_timeout_seconds"):
+            if getattr(self, key) <= 0:
+                problems.append(f"[comm] {key} = {getattr(self, key)} is not valid\nuse a positive number of seconds")
+        return problems
