@@ -139,6 +139,7 @@ class ParallelDims:
         return self.tp * (2 * self.cp if self.cp > 1 else 1)
 
     def degree(self, name: str) -> int:
+        """The number of ranks in a role's mesh (1 for a role that is off)."""
         if name in _FLAT:
             return math.prod(getattr(self, d) for d in _FLAT[name])
         if name == "fsdp":
@@ -173,6 +174,8 @@ class ParallelDims:
     def _make_mesh(self, name: str) -> DeviceMesh | None:
         world = self.world_mesh
         present = set(world.mesh_dim_names or ())
+        if name != "ep" and self.degree(name) == 1:
+            return None
         if name == "fsdp":
             shard = self.mesh("dp_shard_cp")
             if not self.dp_replicate_enabled:

@@ -1,0 +1,110 @@
+"""Checks that need more than one section, or the job's size: run before any process group
+exists, so a bad combination costs seconds, not a queue slot."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
+
+from titan_trainer.config import JobConfig
+
+
+def _plugin_problem(group: str, key: str, name: str) -> str | None:
+    try:
+        resolve(group, name)
+    except PluginError as e:
+        return f"{key} = {name!r}: {e}"
+    return None
+
+
+def parallel_dims_for(config: JobConfig, world_size: int) -> ParallelDims:
+    p = config.parallelism
+    return ParallelDims(
+        world_size=world_size,
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+    )
+
+
+def check_config(config: JobConfig, world_size: int) -> None:
+    """Raise ConfigError listing every problem of `config` for a job of `world_size` processes."""
+    problems: list[str] = []
+    model_problem = _plugin_problem(plugins.MODELS, "[model] name", config.model.name)
+    if model_problem:
+        problems.append(model_problem)
+    else:
+        spec = resolve(plugins.MODELS, config.model.name)
+        if config.model.flavor not in spec.flavors:
+            known = ", ".join(spec.flavors)
+            close = difflib.get_close_matches(config.model.flavor, list(spec.flavors), n=1)
+            hint = f"\ndid you mean {close[0]}?" if close else ""
+            problems.append(f"[model] flavor = {config.model.flavor!r} is not a flavor of {config.model.name}\nknown: {known}{hint}")
+    for name in config.model.converters:
+        problem = _plugin_problem(plugins.CONVERTERS, "[model] converters", name)
+        if problem:
+            problems.append(problem)
+    problem = _plugin_problem(plugins.DATA, "[training] data_plugin", config.training.data_plugin)
+    if problem:
+        problems.append(problem)
+    ckpt = config.checkpoint
+    if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path:
+        problem = _plugin_problem(plugins.CHECKPOINTERS, "[checkpoint] checkpointer", ckpt.checkpointer)
+        if problem:
+            problems.append(problem)
+    if ckpt.create_seed_checkpoint and world_size != 1:
+        problems.append(
+            f"[checkpoint] create_seed_checkpoint needs exactly 1 process, but the job has {world_size}\n"
+            "run it without torchrun (or with --nproc_per_node 1)"
+        )
+
+    try:
+        dims = parallel_dims_for(config, world_size)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        raise ConfigError(problems) from None
+    if dims.ep > 1:
+        problems.append(
+            "[parallelism] expert_parallel_degree > 1 needs a mixture-of-experts model, and this model has no experts\n"
+            "set expert_parallel_degree = 1"
+        )
+    t = config.training
+    if t.seq_len % dims.seq_len_divisor:
+        problems.append(
+            f"[training] seq_len = {t.seq_len} must divide by {dims.seq_len_divisor}"
+            f" (tensor_parallel {dims.tp} x 2 x context_parallel {dims.cp} for load-balanced sequence sharding)\n"
+            f"use a multiple of {dims.seq_len_divisor}, e.g. {(t.seq_len // dims.seq_len_divisor + 1) * dims.seq_len_divisor}"
+            if dims.cp > 1
+            else f"[training] seq_len = {t.seq_len} must divide by tensor_parallel_degree {dims.tp} (sequence parallel)\n"
+            f"use a multiple of {dims.tp}"
+        )
+    per_step = t.local_batch_size * dims.dp_degree
+    if t.global_batch_size != -1 and t.global_batch_size % per_step:
+        problems.append(
+            f"[training] global_batch_size = {t.global_batch_size} is not a multiple of local_batch_size x data-parallel"
+            f" degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}\n"
+            "gradient accumulation needs a whole number of microbatches; use a multiple, or -1"
+        )
+    if t.seq_len > 0 and config.validation.enable and config.validation.seq_len % dims.seq_len_divisor:
+        problems.append(f"[validation] seq_len = {config.validation.seq_len} must divide by {dims.seq_len_divisor}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def model_args_for(spec, config: JobConfig, vocab_size: int):
+    """The flavor's arguments with the tokenizer's vocabulary (rounded up to a multiple of 64,
+    so that any TP degree up to 64 splits it evenly) and the training sequence length."""
+    args = spec.flavors[config.model.flavor]
+    padded = -(-vocab_size // 64) * 64
+    changes = {}
+    fields = {f.name for f in dataclasses.fields(args)}
+    if "vocab_size" in fields:
+        changes["vocab_size"] = padded
+    if "max_seq_len" in fields:
+        changes["max_seq_len"] = config.training.seq_len
+    return dataclasses.replace(args, **changes)

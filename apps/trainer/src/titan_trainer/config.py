@@ -1,0 +1,218 @@
+"""The trainer's config: its own sections plus the sections each package owns.
+
+Section and key names follow torchtitan's TOML configs, so a torchtitan user's file loads here
+unchanged. Run `titan-train --help` for every option with its default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from titan_ckpt import Checkpoint
+from titan_core import Comm, Job
+from titan_float8 import Float8
+from titan_parallel import ActivationCheckpoint, Compile, Parallelism
+
+Dtype = Literal["auto", "bfloat16", "float32"]
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family: an entry point in `titan.models` (see `titan-train --list-plugins`) or `module:attr`."""
+    flavor: str = "debugmodel"
+    """Size preset of the family, e.g. debugmodel, 8B, 70B, 405B."""
+    tokenizer_path: str = "byte"
+    """`byte` (no asset needed), `llama3` (from the llama-models package), or a path to
+    tokenizer.model or to a folder holding it."""
+    hf_assets_path: str | None = None
+    """Folder of Hugging Face assets; its tokenizer is used when set (torchtitan's newer key)."""
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied before parallelism, e.g. ["quantize.linear.float8"]."""
+    print_after_conversion: bool = False
+    """Log the model after converters ran."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.95
+    """Adam's second-moment decay."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
+    """Kernel choice: fused (one kernel per step; falls back to foreach where unsupported), foreach, for-loop."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.lr <= 0:
+            problems.append(f"[optimizer] lr = {self.lr} is not valid\nuse a positive learning rate")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                problems.append(f"[optimizer] {key} = {getattr(self, key)} is not valid\nuse a value in [0, 1)")
+        return problems
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warm-up from near zero to the peak learning rate."""
+    decay_ratio: float | None = None
+    """Share of the steps spent decaying at the end (warmup-stable-decay); none decays over
+    every step after warm-up."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+    min_lr_factor: float = 0.0
+    """The learning rate decays to this fraction of the peak."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.warmup_steps < 0:
+            problems.append(f"[lr_scheduler] warmup_steps = {self.warmup_steps} is not valid\nuse 0 or more")
+        if self.decay_ratio is not None and not 0 <= self.decay_ratio <= 1:
+            problems.append(f"[lr_scheduler] decay_ratio = {self.decay_ratio} is not valid\nuse a value in [0, 1]")
+        if not 0 <= self.min_lr_factor <= 1:
+            problems.append(f"[lr_scheduler] min_lr_factor = {self.min_lr_factor} is not valid\nuse a value in [0, 1]")
+        return problems
+
+
+@dataclass
+class Training:
+    dataset: str = "pydocs"
+    """Dataset: `pydocs` (embedded, offline), `c4`, a Hugging Face hub name, or a local file/folder/glob."""
+    dataset_path: str | None = None
+    """Local copy of the dataset (for `c4` and other hub datasets)."""
+    data_plugin: str = "titan"
+    """Package that builds tokenizers and loaders: an entry point in `titan.data` or `module:attr`."""
+    local_batch_size: int = 8
+    """Samples per data-parallel rank per microbatch."""
+    global_batch_size: int = -1
+    """Samples per optimizer step over all ranks; above local x dp it accumulates gradients. -1: local x dp."""
+    seq_len: int = 2048
+    """Tokens per sample."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this (0 turns clipping off)."""
+    steps: int = 10000
+    """Optimizer steps to train for."""
+    mixed_precision_param: Dtype = "bfloat16"
+    """Compute dtype of parameters. On a CPU without bf16 instructions bfloat16 falls back to
+    float32 with a warning; auto picks bfloat16 where it is native."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reductions across data-parallel ranks."""
+    enable_cpu_offload: bool = False
+    """Keep FSDP parameters, gradients and optimizer state in CPU memory."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (automatic collection is turned off)."""
+    seed: int | None = None
+    """Seed for initialisation and data order; none picks 0."""
+    deterministic: bool = False
+    """Use deterministic kernels (slower)."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
+            if getattr(self, key) < 1:
+                problems.append(f"[training] {key} = {getattr(self, key)} is not valid\nuse 1 or more")
+        if self.global_batch_size == 0 or self.global_batch_size < -1:
+            problems.append(
+                f"[training] global_batch_size = {self.global_batch_size} is not valid\n"
+                "use a positive number of samples, or -1 for local_batch_size x data-parallel degree"
+            )
+        if self.max_norm < 0:
+            problems.append(f"[training] max_norm = {self.max_norm} is not valid\nuse 0 (off) or a positive norm")
+        return problems
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and at the first and last step)."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard events under job.dump_folder/save_tb_folder."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
+    enable_wandb: bool = False
+    """Log to Weights & Biases (needs the wandb package)."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.log_freq < 1:
+            problems.append(f"[metrics] log_freq = {self.log_freq} is not valid\nuse 1 or more")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            problems.append(f"[metrics] peak_tflops = {self.peak_tflops} is not valid\nuse a positive number")
+        if self.enable_wandb:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                problems.append("[metrics] enable_wandb = true, but wandb is not installed\npip install wandb, or turn it off")
+        return problems
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder."""
+    profile_freq: int = 10
+    """Profile one step in every this many."""
+    enable_memory_snapshot: bool = False
+    """Dump CUDA memory snapshots (CUDA only)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to job.dump_folder."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate the loss on held-out data during training."""
+    dataset: str = "pydocs"
+    """Dataset to evaluate on (same forms as training.dataset)."""
+    dataset_path: str | None = None
+    """Local copy of the validation dataset."""
+    local_batch_size: int = 8
+    """Samples per data-parallel rank per validation step."""
+    seq_len: int = 2048
+    """Tokens per validation sample."""
+    freq: int = 500
+    """Validate every this many steps."""
+    steps: int = 10
+    """Batches per validation; -1 runs the whole dataset once."""
+
+
+@dataclass
+class QuantizeLinear:
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass
+class Quantize:
+    linear: QuantizeLinear = field(default_factory=QuantizeLinear)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)

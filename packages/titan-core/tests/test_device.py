@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from titan_core import (
+    MemoryMonitor,
+    backend_for,
+    get_logger,
+    init_logging,
+    lookup_peak_flops,
+    measure_matmul_flops,
+    peak_flops,
+    resolve_device_type,
+)
+
+
+def test_device_type_and_backend():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device_type("auto") == expected
+    assert backend_for("cpu") == "gloo" and backend_for("cuda") == "nccl"
+    with pytest.raises(ValueError, match="no collective backend"):
+        backend_for("tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised when CUDA is absent")
+def test_asking_for_cuda_without_one_names_the_fix():
+    with pytest.raises(RuntimeError, match="use --job.device cpu"):
+        resolve_device_type("cuda")
+
+
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "bf16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA H20", "bf16", 148.0),
+        ("NVIDIA H100 80GB HBM3", "fp8", 1978.9),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("AMD Instinct MI300X", "bf16", 1307.4),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA L4", "bf16", 121.0),
+    ],
+)
+def test_datasheet_peaks_match_the_most_specific_name(name, dtype, tflops):
+    assert lookup_peak_flops(name, dtype) == pytest.approx(tflops * 1e12)
+
+
+def test_unknown_device_never_borrows_a_number():
+    assert lookup_peak_flops("Some Future Accelerator", "bf16") is None
+    assert lookup_peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None  # A100 has no FP8
+
+
+def test_cpu_peak_is_measured_or_explicit_never_guessed():
+    cpu = torch.device("cpu")
+    explicit = peak_flops(cpu, torch.float32, override_tflops=1.5)
+    assert explicit.flops == 1.5e12 and explicit.source == "config"
+    with pytest.raises(ValueError, match="metrics.peak_tflops"):
+        peak_flops(cpu, torch.float32, calibrate=False)
+    measured = peak_flops(cpu, torch.float32)
+    assert measured.source.startswith("measured:")
+    assert 1e8 < measured.flops < 1e14
+
+
+def test_measured_matmul_flops_is_consistent_with_a_timed_matmul():
+    import time
+
+    cpu = torch.device("cpu")
+    best = measure_matmul_flops(cpu, torch.float32, size=256, min_seconds=0.05)
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    once = 5 * 2 * 256**3 / (time.perf_counter() - start)
+    assert best >= 0.2 * once  # the best round is not slower than an average one, within noise
+
+
+def test_cpu_memory_stats_track_an_allocation():
+    monitor = MemoryMonitor(torch.device("cpu"))
+    before = monitor.stats()
+    block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+    after = monitor.stats()
+    assert after.peak_gib >= before.current_gib + 0.05
+    assert after.total_gib > after.current_gib > 0
+    del block
+
+
+def test_logging_quiets_non_zero_ranks(capsys):
+    init_logging(rank=1)
+    log = get_logger("test")
+    log.info("hidden")
+    log.warning("shown")
+    init_logging(rank=0)
+    get_logger("test").info("rank zero speaks")
+    out = capsys.readouterr().out
+    assert "hidden" not in out and "shown" in out and "rank zero speaks" in out
+    assert get_logger().level == logging.INFO

@@ -1,0 +1,95 @@
+"""Meshes on a real 4-process gloo group: one spawn, many layouts checked inside it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+LAYOUTS = [
+    dict(dp_shard=4),
+    dict(dp_replicate=2, dp_shard=2),
+    dict(dp_shard=2, tp=2),
+    dict(dp_shard=2, cp=2),
+    dict(dp_replicate=2, cp=2),
+    dict(pp=2, tp=2, dp_shard=1),
+    dict(dp_replicate=4, dp_shard=1),
+]
+ROLES = ("dp", "dp_shard_cp", "dp_cp", "fsdp", "tp", "cp", "pp", "dp_replicate")
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from titan_core import ParallelDims, set_seed
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = []
+    for layout in LAYOUTS:
+        dims = ParallelDims(world_size=world, **layout)
+        dims.build_mesh("cpu")
+        sizes = {}
+        for role in ROLES:
+            mesh = dims.mesh(role)
+            sizes[role] = None if mesh is None else mesh.size()
+        # The flattened batch mesh must really group the ranks that see different data:
+        # an all-reduce over it sums exactly dp_degree ranks.
+        dp = dims.mesh("dp")
+        if dp is not None:
+            t = torch.ones(1)
+            dist.all_reduce(t, group=dp.get_group())
+            sizes["dp_allreduce"] = int(t.item())
+        fsdp = dims.mesh("fsdp")
+        sizes["fsdp_ndim"] = None if fsdp is None else fsdp.ndim
+        # Seeds: equal across everything but pp.
+        seed = set_seed(1234, dims.world_mesh, vary_over=("pp",))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (dims.world_mesh.get_coordinate(), seed))
+        sizes["seeds"] = gathered
+        results.append(sizes)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mesh")
+    mp.spawn(_worker, args=(4, str(tmp / "init"), str(tmp)), nprocs=4, join=True)
+    return [json.load(open(tmp / f"rank{r}.json")) for r in range(4)]
+
+
+EXPECTED = {
+    0: dict(dp=4, dp_shard_cp=4, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=None, fsdp_ndim=1),
+    1: dict(dp=4, dp_shard_cp=2, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=2, fsdp_ndim=2),
+    2: dict(dp=2, dp_shard_cp=2, dp_cp=2, fsdp=2, tp=2, cp=None, pp=None, dp_replicate=None, fsdp_ndim=1),
+    3: dict(dp=2, dp_shard_cp=4, dp_cp=4, fsdp=4, tp=None, cp=2, pp=None, dp_replicate=None, fsdp_ndim=1),
+    4: dict(dp=2, dp_shard_cp=2, dp_cp=4, fsdp=4, tp=None, cp=2, pp=None, dp_replicate=2, fsdp_ndim=2),
+    5: dict(dp=None, dp_shard_cp=None, dp_cp=None, fsdp=None, tp=2, cp=None, pp=2, dp_replicate=None, fsdp_ndim=None),
+    6: dict(dp=4, dp_shard_cp=None, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=4, fsdp_ndim=1),
+}
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(l) for l in LAYOUTS])
+def test_role_meshes_have_the_right_sizes(mesh_results, index):
+    for rank in range(4):
+        got = mesh_results[rank][index]
+        for role, size in EXPECTED[index].items():
+            assert got[role] == size, (rank, role)
+        if EXPECTED[index]["dp"] is not None:
+            assert got["dp_allreduce"] == EXPECTED[index]["dp"]
+
+
+def test_seeds_differ_across_pipeline_stages_only(mesh_results):
+    pp_layout = LAYOUTS.index(dict(pp=2, tp=2, dp_shard=1))
+    seeds = mesh_results[0][pp_layout]["seeds"]
+    by_stage = {}
+    for coord, seed in seeds:
+        by_stage.setdefault(coord[0], set()).add(seed)
+    assert all(len(s) == 1 for s in by_stage.values())  # tp ranks of a stage share a seed
+    assert len({next(iter(s)) for s in by_stage.values()}) == 2  # stages differ
+    dp_layout = LAYOUTS.index(dict(dp_shard=4))
+    assert len({seed for _, seed in mesh_results[0][dp_layout]["seeds"]}) == 1
