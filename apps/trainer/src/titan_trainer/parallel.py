@@ -61,6 +61,11 @@ class ParallelRuntime:
             loss.backward()
         return loss.detach()
 
+    def eval_loss(self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        (model,) = parts
+        with self._contexts():
+            return self.loss_fn(model(inputs), labels).detach()
+
     def _contexts(self) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         stack.enter_context(tp_lib.loss_context(self.dims, self.config.parallelism))

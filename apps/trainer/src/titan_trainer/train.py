@@ -40,6 +40,8 @@ from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
+from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
+from titan_trainer.validate import Validator
 
 log = get_logger("train")
 
@@ -203,9 +205,14 @@ def _train(config: JobConfig, info) -> TrainResult:
     timer = StepTimer()
     start_step = state.step
     stopped_early = False
+    validator = Validator(config.validation, data, tokenizer, dp_rank, dp_world) if config.validation.enable else None
     gc.disable()
     try:
-        with _StopRequest() as stop:
+        with (
+            _StopRequest() as stop,
+            maybe_profile(config.profiling, dump, info.rank, state.step) as profile_step,
+            maybe_memory_snapshot(config.profiling, dump, info.rank),
+        ):
             while state.step < config.training.steps:
                 state.step += 1
                 loss, grad_norm = train_step(runtime, model_parts, optimizer, batches, accum, timer, config)
@@ -221,6 +228,13 @@ def _train(config: JobConfig, info) -> TrainResult:
                 if state.step % config.metrics.log_freq == 0 or state.step == start_step + 1 or last:
                     metrics.log(state.step, _window_metrics(timer, loss, grad_norm, optimizer, dims, flops_per_token, peak.flops, memory))
                     timer.reset()
+                if validator is not None and (validator.due(state.step) or last):
+                    val_loss = validator.run(runtime, model_parts)
+                    log.info("step %4d | validation loss %.4f", state.step, val_loss)
+                    metrics.log_scalars(state.step, {"validation_loss": val_loss})
+                    timer.reset()
+                if profile_step is not None:
+                    profile_step()
                 if stop.requested:
                     log.warning("SIGTERM: saving a checkpoint at step %d and stopping", state.step)
                     stopped_early = True

@@ -1,0 +1,55 @@
+"""Held-out loss during training, every `validation.freq` steps."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titan_core import get_logger
+
+log = get_logger("validate")
+
+
+class Validator:
+    """Evaluates the mean loss over the first `steps` batches of the validation dataset (the
+    same batches every time, so the numbers are comparable across the run)."""
+
+    def __init__(self, cfg, data, tokenizer, dp_rank: int, dp_world: int):
+        self.cfg = cfg
+        self.build = lambda: data.build_dataloader(
+            dataset=cfg.dataset,
+            dataset_path=cfg.dataset_path,
+            tokenizer=tokenizer,
+            seq_len=cfg.seq_len,
+            batch_size=cfg.local_batch_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world,
+            infinite=False,
+        )
+
+    def due(self, step: int) -> bool:
+        return self.cfg.enable and step % self.cfg.freq == 0
+
+    @torch.no_grad()
+    def run(self, runtime, model_parts) -> float:
+        for part in model_parts:
+            part.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        batches = iter(self.build())
+        while self.cfg.steps == -1 or count < self.cfg.steps:
+            batch = next(batches, None)
+            # Every rank must run the same number of forwards (FSDP and TP gather inside them).
+            more = torch.tensor([0 if batch is None else 1])
+            if dist.is_initialized():
+                dist.all_reduce(more, op=dist.ReduceOp.MIN)
+            if not more.item():
+                break
+            inputs, labels = (t.to(runtime.device) for t in batch)
+            total += runtime.eval_loss(model_parts, inputs, labels).double().cpu()
+            count += 1
+        for part in model_parts:
+            part.train()
+        if count == 0:
+            raise RuntimeError(f"validation dataset {self.cfg.dataset!r} produced no batch; use a larger dataset or a smaller seq_len")
+        return runtime.reduce_loss((total / count).float())

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAINER = Path(__file__).resolve().parents[1]
+DEBUG_TOML = TRAINER / "configs" / "debug_model.toml"
+
+
+def run_cli(args: list[str], nproc: int = 1, timeout: float = 900, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the trainer the way a user does: `python -m titan_trainer` or torchrun for several ranks."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
+    env.update(env_extra or {})
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "titan_trainer", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titan_trainer", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def parse_losses(stdout: str) -> dict[int, float]:
+    """step -> loss from the trainer's metric lines."""
+    losses = {}
+    for line in stdout.splitlines():
+        if "| loss " in line and "step " in line:
+            fields = [f.strip() for f in line.split("|")]
+            step = int(fields[0].split("step")[-1])
+            losses[step] = float(fields[1].split()[1])
+    return losses
+
+
+@pytest.fixture
+def debug_args(tmp_path) -> list[str]:
+    """The README's debug config, shortened for tests, writing into a temporary folder."""
+    return [
+        "--job.config_file", str(DEBUG_TOML),
+        "--job.dump_folder", str(tmp_path / "run"),
+        "--training.seq_len", "128",
+        "--training.local_batch_size", "4",
+        "--metrics.log_freq", "1",
+    ]

@@ -1,0 +1,110 @@
+"""The messages a user sees for bad trainer configs, exactly, through the real command."""
+
+from __future__ import annotations
+
+import pytest
+
+from titan_core import ConfigError, load_config
+from titan_trainer.checks import check_config
+from titan_trainer.cli import main
+from titan_trainer.config import JobConfig
+
+
+def problems(args, world_size=1) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(load_config(JobConfig, args), world_size)
+    return str(info.value)
+
+
+def test_unknown_model_name_lists_installed_models():
+    assert problems(["--model.name", "llama4"]) == (
+        "titan: config error: [model] name = 'llama4': no titan.models plugin named 'llama4'; installed: llama3\n"
+        "       did you mean llama3?\n"
+        "       install a package that registers it under the entry-point group 'titan.models', or give an import path as module:attr"
+    )
+
+
+def test_unknown_flavor_suggests_the_closest():
+    assert problems(["--model.flavor", "8b"]) == (
+        "titan: config error: [model] flavor = '8b' is not a flavor of llama3\n"
+        "       known: debugmodel, 100M, 1B, 3B, 8B, 70B, 405B\n"
+        "       did you mean 8B?"
+    )
+
+
+def test_degrees_not_matching_the_job_size():
+    assert problems(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"], world_size=8) == (
+        "titan: config error: parallelism degrees multiply to 4 (data_parallel_shard 2 x tensor_parallel 2)\n"
+        "       but the job has 8 processes; use -1 for data_parallel_shard_degree to fill the rest"
+    )
+
+
+def test_sequence_length_not_divisible_by_tp():
+    assert problems(["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "250"], world_size=4) == (
+        "titan: config error: [training] seq_len = 250 must divide by tensor_parallel_degree 4 (sequence parallel)\n"
+        "       use a multiple of 4"
+    )
+
+
+def test_global_batch_not_a_multiple():
+    assert problems(["--training.global_batch_size", "12", "--training.local_batch_size", "8"]) == (
+        "titan: config error: [training] global_batch_size = 12 is not a multiple of local_batch_size x data-parallel degree = 8 x 1 = 8\n"
+        "       gradient accumulation needs a whole number of microbatches; use a multiple, or -1"
+    )
+
+
+def test_unknown_converter():
+    text = problems(["--model.converters", "quantize.linear.fp8"])
+    assert text.startswith(
+        "titan: config error: [model] converters = 'quantize.linear.fp8': no titan.converters plugin named 'quantize.linear.fp8'"
+    )
+    assert "did you mean quantize.linear.float8?" in text
+
+
+def test_seed_checkpoint_needs_one_process():
+    assert "create_seed_checkpoint needs exactly 1 process, but the job has 2" in problems(
+        ["--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "2"], world_size=2
+    )
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--optimizer.lr", "-1"], "titan: config error: [optimizer] lr = -1.0 is not valid\n       use a positive learning rate"),
+        (["--training.steps", "0"], "titan: config error: [training] steps = 0 is not valid\n       use 1 or more"),
+        (["--lr_scheduler.decay_type", "exp"], 'allowed: "linear", "sqrt", "cosine"'),
+        (["--parallelism.tensor_parallel_degree", "0"], "tensor_parallel_degree = 0 is not valid"),
+    ],
+)
+def test_section_level_errors(args, expected):
+    with pytest.raises(ConfigError) as info:
+        check_config(load_config(JobConfig, args), 1)
+    assert expected in str(info.value)
+
+
+def test_cli_prints_the_error_without_traceback_and_exits_2(capsys):
+    assert main(["--training.stepz", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "titan: config error: unknown key [training] stepz (from --training.stepz)\n"
+        "       did you mean steps?\n"
+    )
+
+
+def test_help_lists_sections_of_every_package(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--training.steps", "--parallelism.tensor_parallel_degree", "--checkpoint.interval",
+        "--quantize.linear.float8.recipe_name", "--activation_checkpoint.mode", "--job.dump_folder",
+    ):
+        assert option in out
+
+
+def test_torchtitan_style_configs_load(tmp_path):
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for path in sorted(configs.glob("*.toml")):
+        cfg = load_config(JobConfig, ["--job.config_file", str(path)])
+        assert cfg.model.name == "llama3"
