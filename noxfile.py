@@ -36,7 +36,13 @@ LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "layers", *(f"isolated-{p}" for p in LIBRARIES), "tests-titan-trainer", "summary"]
+nox.options.sessions = [
+    "lint",
+    "layers",
+    *(f"isolated-{p}" for p in LIBRARIES),
+    "tests-titan-trainer",
+    "summary",
+]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -46,7 +52,12 @@ def _module(dist: str) -> str:
 
 def _pytest_args(session: nox.Session, dist: str) -> list[str]:
     JUNIT.mkdir(parents=True, exist_ok=True)
-    return [str(ROOT / PACKAGES[dist] / "tests"), f"--junitxml={JUNIT / dist}.xml", "-q", *session.posargs]
+    return [
+        str(ROOT / PACKAGES[dist] / "tests"),
+        f"--junitxml={JUNIT / dist}.xml",
+        "-q",
+        *session.posargs,
+    ]
 
 
 @nox.session(venv_backend="none")
@@ -81,13 +92,25 @@ for _dist in PACKAGES:
         shutil.rmtree(wheels, ignore_errors=True)
         needed = _titan_closure(dist)
         for name in needed:
-            session.run("uv", "build", "--no-sources", "--wheel", "--quiet", "--package", name, "--out-dir", str(wheels), external=True)
+            session.run(
+                "uv",
+                "build",
+                "--no-sources",
+                "--wheel",
+                "--quiet",
+                "--package",
+                name,
+                "--out-dir",
+                str(wheels),
+                external=True,
+            )
         built = {name: next(wheels.glob(f"{_module(name)}-*.whl")) for name in needed}
         # Siblings are not on the index yet, so their freshly built wheels stand in for it.
         session.install(f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist))
         others = [_module(p) for p in PACKAGES if p not in needed]
         session.run(
-            "python", "-c",
+            "python",
+            "-c",
             "import importlib.util, sys; present = [m for m in sys.argv[1:] if importlib.util.find_spec(m)];"
             " assert not present, f'unexpected titan packages importable: {present}';"
             " print('isolated: no other titan package importable')",
@@ -95,7 +118,15 @@ for _dist in PACKAGES:
         )
         # Run from outside the repo so that only the installed wheel can be imported.
         session.chdir(session.create_tmp())
-        session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *_pytest_args(session, dist))
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            f"--rootdir={ROOT}",
+            *_pytest_args(session, dist),
+        )
 
 
 def _titan_closure(dist: str) -> list[str]:
@@ -128,7 +159,9 @@ def summary(session: nox.Session) -> None:
         path.unlink()
     failed = totals["failures"] + totals["errors"]
     passed = totals["tests"] - failed - totals["skipped"]
-    print(f"summary: {passed} passed, {failed} failed, {totals['skipped']} skipped", file=sys.stderr)
+    print(
+        f"summary: {passed} passed, {failed} failed, {totals['skipped']} skipped", file=sys.stderr
+    )
     if failed or not totals["tests"]:
         session.error("some tests failed" if failed else "no test ran")
 
@@ -137,4 +170,12 @@ def summary(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (JSON lines on stdout). Not in the default set: timings need a quiet machine."""
     for script in sorted((ROOT / "bench").glob("*.py")):
-        session.run("uv", "run", "--frozen", "python", str(script), *session.posargs, env={"PYTHONUNBUFFERED": "1", **os.environ})
+        session.run(
+            "uv",
+            "run",
+            "--frozen",
+            "python",
+            str(script),
+            *session.posargs,
+            env={"PYTHONUNBUFFERED": "1", **os.environ},
+        )

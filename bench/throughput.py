@@ -18,7 +18,14 @@ import time
 
 import torch
 
-from titan_core import init_distributed, load_config, measure_matmul_flops, plugins, resolve, resolve_device_type
+from titan_core import (
+    init_distributed,
+    load_config,
+    measure_matmul_flops,
+    plugins,
+    resolve,
+    resolve_device_type,
+)
 from titan_core.distributed import destroy_distributed
 from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
@@ -31,11 +38,16 @@ def bench_flavor(flavor: str, args, device, peak: float, dtype: torch.dtype) -> 
     cfg = load_config(
         JobConfig,
         [
-            "--model.flavor", flavor,
-            "--training.seq_len", str(args.seq_len),
-            "--training.local_batch_size", str(args.batch_size),
-            "--training.mixed_precision_param", "auto" if dtype == torch.bfloat16 else "float32",
-            "--activation_checkpoint.mode", "none",
+            "--model.flavor",
+            flavor,
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.local_batch_size",
+            str(args.batch_size),
+            "--training.mixed_precision_param",
+            "auto" if dtype == torch.bfloat16 else "float32",
+            "--activation_checkpoint.mode",
+            "none",
             *(["--compile.enable"] if args.compile else []),
         ],
     )
@@ -44,8 +56,11 @@ def bench_flavor(flavor: str, args, device, peak: float, dtype: torch.dtype) -> 
     data = resolve(plugins.DATA, cfg.training.data_plugin)
     tokenizer = data.build_tokenizer(cfg.model.tokenizer_path)
     loader = data.build_dataloader(
-        dataset=cfg.training.dataset, dataset_path=None, tokenizer=tokenizer,
-        seq_len=cfg.training.seq_len, batch_size=cfg.training.local_batch_size,
+        dataset=cfg.training.dataset,
+        dataset_path=None,
+        tokenizer=tokenizer,
+        seq_len=cfg.training.seq_len,
+        batch_size=cfg.training.local_batch_size,
     )
     runtime = build_parallel_runtime(cfg, dims, device, dtype, 0, cross_entropy_loss)
     parts = build_model(cfg, runtime, tokenizer.vocab_size, [])
@@ -100,7 +115,9 @@ def bench_flavor(flavor: str, args, device, peak: float, dtype: torch.dtype) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--flavors", default="debugmodel,100M")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
@@ -111,8 +128,20 @@ def main() -> None:
     info = init_distributed(resolve_device_type("auto"))
     try:
         dtype = compute_dtype("auto", info.device)
-        peak = measure_matmul_flops(info.device, dtype, size=2048 if info.device.type == "cpu" else 8192, min_seconds=1.0)
-        print(json.dumps({"bench": "matmul_peak", "device": str(info.device), "dtype": str(dtype).removeprefix("torch."), "tflops": round(peak / 1e12, 4)}), flush=True)
+        peak = measure_matmul_flops(
+            info.device, dtype, size=2048 if info.device.type == "cpu" else 8192, min_seconds=1.0
+        )
+        print(
+            json.dumps(
+                {
+                    "bench": "matmul_peak",
+                    "device": str(info.device),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "tflops": round(peak / 1e12, 4),
+                }
+            ),
+            flush=True,
+        )
         for flavor in args.flavors.split(","):
             print(json.dumps(bench_flavor(flavor, args, info.device, peak, dtype)), flush=True)
     finally:

@@ -55,11 +55,17 @@ def main() -> int:
         src = titan_imports(pyproject.parent / "src") - {own}
         tests = titan_imports(pyproject.parent / "tests") - {own}
         for name in sorted(src - declared):
-            problems.append(f"{meta['name']}: imports {name} but does not declare {name.replace('_', '-')}")
+            problems.append(
+                f"{meta['name']}: imports {name} but does not declare {name.replace('_', '-')}"
+            )
         for name in sorted(tests - declared):
-            problems.append(f"{meta['name']}: its tests import {name}, which an isolated install lacks")
+            problems.append(
+                f"{meta['name']}: its tests import {name}, which an isolated install lacks"
+            )
         for name in sorted(declared - src - PLUGIN_PROVIDERS):
-            problems.append(f"{meta['name']}: declares {name.replace('_', '-')} but never imports it")
+            problems.append(
+                f"{meta['name']}: declares {name.replace('_', '-')} but never imports it"
+            )
     for problem in problems:
         print("layers:", problem)
     print(f"layers: checked {len(MEMBERS)} packages, {len(problems)} problems")

@@ -11,14 +11,29 @@ TRAINER = Path(__file__).resolve().parents[1]
 DEBUG_TOML = TRAINER / "configs" / "debug_model.toml"
 
 
-def run_cli(args: list[str], nproc: int = 1, timeout: float = 900, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], nproc: int = 1, timeout: float = 900, env_extra: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run the trainer the way a user does: `python -m titan_trainer` or torchrun for several ranks."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2")}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if nproc > 1 else "2"),
+    }
     env.update(env_extra or {})
     if nproc == 1:
         cmd = [sys.executable, "-m", "titan_trainer", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "titan_trainer", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "titan_trainer",
+            *args,
+        ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -37,9 +52,14 @@ def parse_losses(stdout: str) -> dict[int, float]:
 def debug_args(tmp_path) -> list[str]:
     """The README's debug config, shortened for tests, writing into a temporary folder."""
     return [
-        "--job.config_file", str(DEBUG_TOML),
-        "--job.dump_folder", str(tmp_path / "run"),
-        "--training.seq_len", "128",
-        "--training.local_batch_size", "4",
-        "--metrics.log_freq", "1",
+        "--job.config_file",
+        str(DEBUG_TOML),
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+        "--training.seq_len",
+        "128",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
     ]

@@ -33,14 +33,24 @@ def test_unknown_flavor_suggests_the_closest():
 
 
 def test_degrees_not_matching_the_job_size():
-    assert problems(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"], world_size=8) == (
+    assert problems(
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+        world_size=8,
+    ) == (
         "titan: config error: parallelism degrees multiply to 4 (data_parallel_shard 2 x tensor_parallel 2)\n"
         "       but the job has 8 processes; use -1 for data_parallel_shard_degree to fill the rest"
     )
 
 
 def test_sequence_length_not_divisible_by_tp():
-    assert problems(["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "250"], world_size=4) == (
+    assert problems(
+        ["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "250"], world_size=4
+    ) == (
         "titan: config error: [training] seq_len = 250 must divide by tensor_parallel_degree 4 (sequence parallel)\n"
         "       use a multiple of 4"
     )
@@ -63,15 +73,22 @@ def test_unknown_converter():
 
 def test_seed_checkpoint_needs_one_process():
     assert "create_seed_checkpoint needs exactly 1 process, but the job has 2" in problems(
-        ["--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "2"], world_size=2
+        ["--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "2"],
+        world_size=2,
     )
 
 
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--optimizer.lr", "-1"], "titan: config error: [optimizer] lr = -1.0 is not valid\n       use a positive learning rate"),
-        (["--training.steps", "0"], "titan: config error: [training] steps = 0 is not valid\n       use 1 or more"),
+        (
+            ["--optimizer.lr", "-1"],
+            "titan: config error: [optimizer] lr = -1.0 is not valid\n       use a positive learning rate",
+        ),
+        (
+            ["--training.steps", "0"],
+            "titan: config error: [training] steps = 0 is not valid\n       use 1 or more",
+        ),
         (["--lr_scheduler.decay_type", "exp"], 'allowed: "linear", "sqrt", "cosine"'),
         (["--parallelism.tensor_parallel_degree", "0"], "tensor_parallel_degree = 0 is not valid"),
     ],
@@ -95,8 +112,12 @@ def test_help_lists_sections_of_every_package(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for option in (
-        "--training.steps", "--parallelism.tensor_parallel_degree", "--checkpoint.interval",
-        "--quantize.linear.float8.recipe_name", "--activation_checkpoint.mode", "--job.dump_folder",
+        "--training.steps",
+        "--parallelism.tensor_parallel_degree",
+        "--checkpoint.interval",
+        "--quantize.linear.float8.recipe_name",
+        "--activation_checkpoint.mode",
+        "--job.dump_folder",
     ):
         assert option in out
 

@@ -18,7 +18,11 @@ def test_phases_add_up_and_follow_decay_ratio():
 
 @pytest.mark.parametrize(
     "decay_type,curve",
-    [("linear", lambda p: 1 - p), ("sqrt", lambda p: 1 - math.sqrt(p)), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p)))],
+    [
+        ("linear", lambda p: 1 - p),
+        ("sqrt", lambda p: 1 - math.sqrt(p)),
+        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ],
 )
 def test_exact_factors_for_warmup_stable_decay(decay_type, curve):
     # 4 warm-up, 2 stable, 4 decay steps, decaying to 10% of the peak.
@@ -34,7 +38,9 @@ def test_exact_factors_for_warmup_stable_decay(decay_type, curve):
 def test_scheduler_drives_the_optimizer_lr():
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=2.0)
-    sched = build_lr_scheduler(opt, LRScheduler(warmup_steps=2, decay_ratio=None, decay_type="linear"), total_steps=6)
+    sched = build_lr_scheduler(
+        opt, LRScheduler(warmup_steps=2, decay_ratio=None, decay_type="linear"), total_steps=6
+    )
     seen = []
     for _ in range(6):
         seen.append(opt.param_groups[0]["lr"])

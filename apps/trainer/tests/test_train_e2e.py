@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from conftest import parse_losses, run_cli
 
@@ -28,5 +27,7 @@ def test_debug_run_loss_falls_from_ln_vocab(debug_args, tmp_path):
 def test_bad_flag_fails_fast_with_the_message(debug_args):
     result = run_cli([*debug_args, "--parallelism.tensor_parallel_degre", "2"])
     assert result.returncode == 2
-    assert result.stderr.startswith("titan: config error: unknown key [parallelism] tensor_parallel_degre")
+    assert result.stderr.startswith(
+        "titan: config error: unknown key [parallelism] tensor_parallel_degre"
+    )
     assert "Traceback" not in result.stderr

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 
-from titan_core import ConfigError, Job, Comm
+from titan_core import Comm, ConfigError, Job
 
 
 @dataclass

@@ -55,10 +55,13 @@ def test_cli_overrides_beat_toml(toml_file):
     cfg = load_config(
         Root,
         [
-            "--job.config_file", str(toml_file),
-            "--training.steps", "7",
+            "--job.config_file",
+            str(toml_file),
+            "--training.steps",
+            "7",
             "--parallelism.tensor_parallel_degree=2",
-            "--quantize.linear.float8.filter_fqns", "a,b",
+            "--quantize.linear.float8.filter_fqns",
+            "a,b",
         ],
     )
     assert cfg.training.steps == 7
@@ -68,7 +71,16 @@ def test_cli_overrides_beat_toml(toml_file):
 
 
 def test_cli_booleans_lists_and_none():
-    cfg = load_config(Root, ["--training.compile", "--model.converters", "[\"x\", \"y\"]", "--training.dataset_path", "none"])
+    cfg = load_config(
+        Root,
+        [
+            "--training.compile",
+            "--model.converters",
+            '["x", "y"]',
+            "--training.dataset_path",
+            "none",
+        ],
+    )
     assert cfg.training.compile is True
     assert cfg.model.converters == ["x", "y"]
     assert cfg.training.dataset_path is None
@@ -101,8 +113,12 @@ def test_help_lists_every_option_with_default_and_doc():
     text = render_help(Root)
     for option, default, doc in [
         ("--training.steps int", "(default: 10)", "Optimizer steps to run."),
-        ("--quantize.linear.float8.filter_fqns list[str]", '(default: ["output"])', "Modules left in high precision."),
-        ("--job.device one of \"auto\", \"cuda\", \"cpu\"", '(default: "auto")', "Where to compute"),
+        (
+            "--quantize.linear.float8.filter_fqns list[str]",
+            '(default: ["output"])',
+            "Modules left in high precision.",
+        ),
+        ('--job.device one of "auto", "cuda", "cpu"', '(default: "auto")', "Where to compute"),
         ("--training.dataset_path str or none", "(default: none)", "Local copy of the dataset."),
     ]:
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(option))
@@ -150,14 +166,13 @@ BAD_INPUTS = [
     (
         "section given a value",
         ["--training", "3"],
-        'titan: config error: training is a section, not a value (from --training)\n'
+        "titan: config error: training is a section, not a value (from --training)\n"
         "       set its keys instead, e.g. --training.<key> VALUE",
     ),
     (
         "a section's own validation",
         ["--training.steps", "0"],
-        "titan: config error: [training] steps = 0 is not valid\n"
-        "       run at least 1 step",
+        "titan: config error: [training] steps = 0 is not valid\n       run at least 1 step",
     ),
     (
         "negative timeout in a titan-core section",
@@ -185,7 +200,9 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("args,expected", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "args,expected", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
 def test_bad_cli_input_gives_exact_message(args, expected):
     assert config_error(Root, args) == expected
 
@@ -206,7 +223,9 @@ def test_bad_toml_types_name_the_file(tmp_path):
 def test_invalid_toml_syntax_is_a_config_error(tmp_path):
     path = tmp_path / "broken.toml"
     path.write_text("[training\nsteps = 1\n")
-    assert config_error(Root, toml_path=path).startswith(f"titan: config error: {path} is not valid TOML")
+    assert config_error(Root, toml_path=path).startswith(
+        f"titan: config error: {path} is not valid TOML"
+    )
 
 
 def test_every_problem_is_reported_at_once():

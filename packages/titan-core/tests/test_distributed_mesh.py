@@ -63,17 +63,55 @@ def mesh_results(tmp_path_factory):
 
 
 EXPECTED = {
-    0: dict(dp=4, dp_shard_cp=4, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=None, fsdp_ndim=1),
-    1: dict(dp=4, dp_shard_cp=2, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=2, fsdp_ndim=2),
-    2: dict(dp=2, dp_shard_cp=2, dp_cp=2, fsdp=2, tp=2, cp=None, pp=None, dp_replicate=None, fsdp_ndim=1),
-    3: dict(dp=2, dp_shard_cp=4, dp_cp=4, fsdp=4, tp=None, cp=2, pp=None, dp_replicate=None, fsdp_ndim=1),
-    4: dict(dp=2, dp_shard_cp=2, dp_cp=4, fsdp=4, tp=None, cp=2, pp=None, dp_replicate=2, fsdp_ndim=2),
-    5: dict(dp=None, dp_shard_cp=None, dp_cp=None, fsdp=None, tp=2, cp=None, pp=2, dp_replicate=None, fsdp_ndim=None),
-    6: dict(dp=4, dp_shard_cp=None, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=4, fsdp_ndim=1),
+    0: dict(
+        dp=4,
+        dp_shard_cp=4,
+        dp_cp=4,
+        fsdp=4,
+        tp=None,
+        cp=None,
+        pp=None,
+        dp_replicate=None,
+        fsdp_ndim=1,
+    ),
+    1: dict(
+        dp=4, dp_shard_cp=2, dp_cp=4, fsdp=4, tp=None, cp=None, pp=None, dp_replicate=2, fsdp_ndim=2
+    ),
+    2: dict(
+        dp=2, dp_shard_cp=2, dp_cp=2, fsdp=2, tp=2, cp=None, pp=None, dp_replicate=None, fsdp_ndim=1
+    ),
+    3: dict(
+        dp=2, dp_shard_cp=4, dp_cp=4, fsdp=4, tp=None, cp=2, pp=None, dp_replicate=None, fsdp_ndim=1
+    ),
+    4: dict(
+        dp=2, dp_shard_cp=2, dp_cp=4, fsdp=4, tp=None, cp=2, pp=None, dp_replicate=2, fsdp_ndim=2
+    ),
+    5: dict(
+        dp=None,
+        dp_shard_cp=None,
+        dp_cp=None,
+        fsdp=None,
+        tp=2,
+        cp=None,
+        pp=2,
+        dp_replicate=None,
+        fsdp_ndim=None,
+    ),
+    6: dict(
+        dp=4,
+        dp_shard_cp=None,
+        dp_cp=4,
+        fsdp=4,
+        tp=None,
+        cp=None,
+        pp=None,
+        dp_replicate=4,
+        fsdp_ndim=1,
+    ),
 }
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(l) for l in LAYOUTS])
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(layout) for layout in LAYOUTS])
 def test_role_meshes_have_the_right_sizes(mesh_results, index):
     for rank in range(4):
         got = mesh_results[rank][index]

@@ -36,7 +36,9 @@ def test_degrees_that_do_not_divide_world_size():
     )
 
 
-@pytest.mark.parametrize("key,kwargs", [("tensor_parallel_degree", {"tp": 0}), ("pipeline_parallel_degree", {"pp": -2})])
+@pytest.mark.parametrize(
+    "key,kwargs", [("tensor_parallel_degree", {"tp": 0}), ("pipeline_parallel_degree", {"pp": -2})]
+)
 def test_negative_or_zero_degree(key, kwargs):
     with pytest.raises(ConfigError) as info:
         ParallelDims(world_size=1, **kwargs)

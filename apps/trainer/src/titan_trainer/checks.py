@@ -7,7 +7,6 @@ import dataclasses
 import difflib
 
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
-
 from titan_trainer.config import JobConfig
 
 
@@ -44,7 +43,9 @@ def check_config(config: JobConfig, world_size: int) -> None:
             known = ", ".join(spec.flavors)
             close = difflib.get_close_matches(config.model.flavor, list(spec.flavors), n=1)
             hint = f"\ndid you mean {close[0]}?" if close else ""
-            problems.append(f"[model] flavor = {config.model.flavor!r} is not a flavor of {config.model.name}\nknown: {known}{hint}")
+            problems.append(
+                f"[model] flavor = {config.model.flavor!r} is not a flavor of {config.model.name}\nknown: {known}{hint}"
+            )
     for name in config.model.converters:
         problem = _plugin_problem(plugins.CONVERTERS, "[model] converters", name)
         if problem:
@@ -54,7 +55,9 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.append(problem)
     ckpt = config.checkpoint
     if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path:
-        problem = _plugin_problem(plugins.CHECKPOINTERS, "[checkpoint] checkpointer", ckpt.checkpointer)
+        problem = _plugin_problem(
+            plugins.CHECKPOINTERS, "[checkpoint] checkpointer", ckpt.checkpointer
+        )
         if problem:
             problems.append(problem)
     if ckpt.create_seed_checkpoint and world_size != 1:
@@ -90,8 +93,14 @@ def check_config(config: JobConfig, world_size: int) -> None:
             f" degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}\n"
             "gradient accumulation needs a whole number of microbatches; use a multiple, or -1"
         )
-    if t.seq_len > 0 and config.validation.enable and config.validation.seq_len % dims.seq_len_divisor:
-        problems.append(f"[validation] seq_len = {config.validation.seq_len} must divide by {dims.seq_len_divisor}")
+    if (
+        t.seq_len > 0
+        and config.validation.enable
+        and config.validation.seq_len % dims.seq_len_divisor
+    ):
+        problems.append(
+            f"[validation] seq_len = {config.validation.seq_len} must divide by {dims.seq_len_divisor}"
+        )
     if problems:
         raise ConfigError(problems)
 

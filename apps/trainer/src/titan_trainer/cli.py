@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import sys
 
-from titan_core import ConfigError, available, init_logging, load_config, plugins, render_help, world_size_from_env
+from titan_core import (
+    ConfigError,
+    available,
+    init_logging,
+    load_config,
+    plugins,
+    render_help,
+    world_size_from_env,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--list-plugins" in args:
         for group in plugins.GROUPS:
             found = available(group)
-            print(f"{group}: " + (", ".join(f"{k} ({v})" for k, v in sorted(found.items())) or "none"))
+            print(
+                f"{group}: " + (", ".join(f"{k} ({v})" for k, v in sorted(found.items())) or "none")
+            )
         return 0
     init_logging()
     from titan_trainer.checks import check_config

@@ -54,10 +54,14 @@ class Optimizer:
     def validate(self) -> list[str]:
         problems = []
         if self.lr <= 0:
-            problems.append(f"[optimizer] lr = {self.lr} is not valid\nuse a positive learning rate")
+            problems.append(
+                f"[optimizer] lr = {self.lr} is not valid\nuse a positive learning rate"
+            )
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
-                problems.append(f"[optimizer] {key} = {getattr(self, key)} is not valid\nuse a value in [0, 1)")
+                problems.append(
+                    f"[optimizer] {key} = {getattr(self, key)} is not valid\nuse a value in [0, 1)"
+                )
         return problems
 
 
@@ -76,11 +80,17 @@ class LRScheduler:
     def validate(self) -> list[str]:
         problems = []
         if self.warmup_steps < 0:
-            problems.append(f"[lr_scheduler] warmup_steps = {self.warmup_steps} is not valid\nuse 0 or more")
+            problems.append(
+                f"[lr_scheduler] warmup_steps = {self.warmup_steps} is not valid\nuse 0 or more"
+            )
         if self.decay_ratio is not None and not 0 <= self.decay_ratio <= 1:
-            problems.append(f"[lr_scheduler] decay_ratio = {self.decay_ratio} is not valid\nuse a value in [0, 1]")
+            problems.append(
+                f"[lr_scheduler] decay_ratio = {self.decay_ratio} is not valid\nuse a value in [0, 1]"
+            )
         if not 0 <= self.min_lr_factor <= 1:
-            problems.append(f"[lr_scheduler] min_lr_factor = {self.min_lr_factor} is not valid\nuse a value in [0, 1]")
+            problems.append(
+                f"[lr_scheduler] min_lr_factor = {self.min_lr_factor} is not valid\nuse a value in [0, 1]"
+            )
         return problems
 
 
@@ -120,14 +130,18 @@ class Training:
         problems = []
         for key in ("local_batch_size", "seq_len", "steps", "gc_freq"):
             if getattr(self, key) < 1:
-                problems.append(f"[training] {key} = {getattr(self, key)} is not valid\nuse 1 or more")
+                problems.append(
+                    f"[training] {key} = {getattr(self, key)} is not valid\nuse 1 or more"
+                )
         if self.global_batch_size == 0 or self.global_batch_size < -1:
             problems.append(
                 f"[training] global_batch_size = {self.global_batch_size} is not valid\n"
                 "use a positive number of samples, or -1 for local_batch_size x data-parallel degree"
             )
         if self.max_norm < 0:
-            problems.append(f"[training] max_norm = {self.max_norm} is not valid\nuse 0 (off) or a positive norm")
+            problems.append(
+                f"[training] max_norm = {self.max_norm} is not valid\nuse 0 (off) or a positive norm"
+            )
         return problems
 
 
@@ -149,12 +163,16 @@ class Metrics:
         if self.log_freq < 1:
             problems.append(f"[metrics] log_freq = {self.log_freq} is not valid\nuse 1 or more")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
-            problems.append(f"[metrics] peak_tflops = {self.peak_tflops} is not valid\nuse a positive number")
+            problems.append(
+                f"[metrics] peak_tflops = {self.peak_tflops} is not valid\nuse a positive number"
+            )
         if self.enable_wandb:
             import importlib.util
 
             if importlib.util.find_spec("wandb") is None:
-                problems.append("[metrics] enable_wandb = true, but wandb is not installed\npip install wandb, or turn it off")
+                problems.append(
+                    "[metrics] enable_wandb = true, but wandb is not installed\npip install wandb, or turn it off"
+                )
         return problems
 
 

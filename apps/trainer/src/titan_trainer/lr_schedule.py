@@ -24,7 +24,9 @@ _CURVES = {
 }
 
 
-def schedule_phases(total_steps: int, warmup_steps: int, decay_ratio: float | None) -> tuple[int, int, int]:
+def schedule_phases(
+    total_steps: int, warmup_steps: int, decay_ratio: float | None
+) -> tuple[int, int, int]:
     """(warmup, stable, decay) step counts that add up to `total_steps`."""
     warmup = min(warmup_steps, total_steps)
     rest = total_steps - warmup
@@ -33,7 +35,13 @@ def schedule_phases(total_steps: int, warmup_steps: int, decay_ratio: float | No
 
 
 def lr_factor(
-    step: int, *, warmup: int, stable: int, decay: int, decay_type: str = "linear", min_lr_factor: float = 0.0
+    step: int,
+    *,
+    warmup: int,
+    stable: int,
+    decay: int,
+    decay_type: str = "linear",
+    min_lr_factor: float = 0.0,
 ) -> float:
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -47,6 +55,11 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) 
     """A LambdaLR over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps."""
     warmup, stable, decay = schedule_phases(total_steps, cfg.warmup_steps, cfg.decay_ratio)
     factor = partial(
-        lr_factor, warmup=warmup, stable=stable, decay=decay, decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor
+        lr_factor,
+        warmup=warmup,
+        stable=stable,
+        decay=decay,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
     )
     return LambdaLR(optimizer, factor)

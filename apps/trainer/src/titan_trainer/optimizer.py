@@ -16,7 +16,9 @@ def build_optimizer(model_parts: list[nn.Module], cfg) -> torch.optim.Optimizer:
     """AdamW (or Adam) from `cfg` ([optimizer]); `fused` where the parameters' device supports
     it, else `foreach` (said once in the log, since the fallback costs speed)."""
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    kwargs = dict(
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
     cls = _CLASSES[cfg.name]
     if cfg.implementation == "fused":
         try:

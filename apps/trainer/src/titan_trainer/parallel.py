@@ -52,7 +52,9 @@ class ParallelRuntime:
         return parts
 
     # ------------------------------------------------------------------ steps
-    def forward_backward(self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward_backward(
+        self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """Loss of one microbatch (detached, times `scale`), gradients accumulated."""
         (model,) = parts
         with self._contexts():
@@ -61,7 +63,9 @@ class ParallelRuntime:
             loss.backward()
         return loss.detach()
 
-    def eval_loss(self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(
+        self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
         (model,) = parts
         with self._contexts():
             return self.loss_fn(model(inputs), labels).detach()

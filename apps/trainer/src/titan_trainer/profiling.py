@@ -37,7 +37,9 @@ def maybe_profile(cfg, dump_folder: str, rank: int, start_step: int):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     wait = max(cfg.profile_freq - 2, 0)
     schedule = torch.profiler.schedule(wait=wait, warmup=1 if cfg.profile_freq > 1 else 0, active=1)
-    with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_ready) as prof:
+    with torch.profiler.profile(
+        activities=activities, schedule=schedule, on_trace_ready=on_ready
+    ) as prof:
 
         def advance() -> None:
             step["n"] += 1

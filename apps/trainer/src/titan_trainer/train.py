@@ -102,7 +102,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if supports_bf16(device):
         return torch.bfloat16
     if name == "bfloat16":
-        log.warning("training.mixed_precision_param = bfloat16, but %s has no native bf16; training in float32", device)
+        log.warning(
+            "training.mixed_precision_param = bfloat16, but %s has no native bf16; training in float32",
+            device,
+        )
     return torch.float32
 
 
@@ -111,7 +114,9 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def build_model(config: JobConfig, runtime: ParallelRuntime, vocab_size: int, converters: list) -> list[nn.Module]:
+def build_model(
+    config: JobConfig, runtime: ParallelRuntime, vocab_size: int, converters: list
+) -> list[nn.Module]:
     """Meta-device build, converters, parallelism, then the one place weights get values."""
     spec = resolve(plugins.MODELS, config.model.name)
     args = model_args_for(spec, config, vocab_size)
@@ -148,7 +153,14 @@ def _train(config: JobConfig, info) -> TrainResult:
     seed = config.training.seed if config.training.seed is not None else 0
     set_seed(seed, mesh, vary_over=(), deterministic=config.training.deterministic)
     dtype = compute_dtype(config.training.mixed_precision_param, device)
-    log.info("%s | %d processes on %s | %s | compute %s", config.job.description, info.world_size, device.type, _layout(dims), dtype)
+    log.info(
+        "%s | %d processes on %s | %s | compute %s",
+        config.job.description,
+        info.world_size,
+        device.type,
+        _layout(dims),
+        dtype,
+    )
 
     dump = config.job.dump_folder
     os.makedirs(dump, exist_ok=True)
@@ -174,7 +186,8 @@ def _train(config: JobConfig, info) -> TrainResult:
     )
 
     converters = [
-        resolve(plugins.CONVERTERS, name)(_section(config, name), dims) for name in config.model.converters
+        resolve(plugins.CONVERTERS, name)(_section(config, name), dims)
+        for name in config.model.converters
     ]
     runtime = build_parallel_runtime(config, dims, device, dtype, seed, cross_entropy_loss)
     model_parts = build_model(config, runtime, tokenizer.vocab_size, converters)
@@ -182,11 +195,15 @@ def _train(config: JobConfig, info) -> TrainResult:
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     state = TrainState()
 
-    checkpointer = _build_checkpointer(config, dims, model_parts, optimizer, lr_scheduler, loader, state, resolved_toml, dp_rank)
+    checkpointer = _build_checkpointer(
+        config, dims, model_parts, optimizer, lr_scheduler, loader, state, resolved_toml, dp_rank
+    )
     if checkpointer is not None and config.checkpoint.create_seed_checkpoint:
         checkpointer.save(0, last_step=True)
         checkpointer.close()
-        log.info("seed checkpoint written; start training without --checkpoint.create_seed_checkpoint")
+        log.info(
+            "seed checkpoint written; start training without --checkpoint.create_seed_checkpoint"
+        )
         return TrainResult(0, 0, [], False)
     if checkpointer is not None:
         loaded = checkpointer.load(config.checkpoint.load_step)
@@ -196,8 +213,12 @@ def _train(config: JobConfig, info) -> TrainResult:
     accum = _accumulation_steps(config, dims)
     flops_per_token = runtime.flops_per_token
     peak = peak_flops(device, dtype, override_tflops=config.metrics.peak_tflops)
-    log.info("peak %.1f TFLOP/s (%s); %d microbatch(es) per step", peak.flops / 1e12, peak.source, accum)
-    metrics = MetricsLogger(dump, config.metrics.save_tb_folder, config.metrics.enable_tensorboard, info.rank)
+    log.info(
+        "peak %.1f TFLOP/s (%s); %d microbatch(es) per step", peak.flops / 1e12, peak.source, accum
+    )
+    metrics = MetricsLogger(
+        dump, config.metrics.save_tb_folder, config.metrics.enable_tensorboard, info.rank
+    )
     memory = MemoryMonitor(device)
 
     batches = iter(loader)
@@ -205,7 +226,11 @@ def _train(config: JobConfig, info) -> TrainResult:
     timer = StepTimer()
     start_step = state.step
     stopped_early = False
-    validator = Validator(config.validation, data, tokenizer, dp_rank, dp_world) if config.validation.enable else None
+    validator = (
+        Validator(config.validation, data, tokenizer, dp_rank, dp_world)
+        if config.validation.enable
+        else None
+    )
     gc.disable()
     try:
         with (
@@ -215,7 +240,9 @@ def _train(config: JobConfig, info) -> TrainResult:
         ):
             while state.step < config.training.steps:
                 state.step += 1
-                loss, grad_norm = train_step(runtime, model_parts, optimizer, batches, accum, timer, config)
+                loss, grad_norm = train_step(
+                    runtime, model_parts, optimizer, batches, accum, timer, config
+                )
                 lr_scheduler.step()
                 for converter in converters:
                     for part in model_parts:
@@ -225,8 +252,24 @@ def _train(config: JobConfig, info) -> TrainResult:
                 timer.steps += 1
                 state.losses.append(loss)
                 last = state.step == config.training.steps
-                if state.step % config.metrics.log_freq == 0 or state.step == start_step + 1 or last:
-                    metrics.log(state.step, _window_metrics(timer, loss, grad_norm, optimizer, dims, flops_per_token, peak.flops, memory))
+                if (
+                    state.step % config.metrics.log_freq == 0
+                    or state.step == start_step + 1
+                    or last
+                ):
+                    metrics.log(
+                        state.step,
+                        _window_metrics(
+                            timer,
+                            loss,
+                            grad_norm,
+                            optimizer,
+                            dims,
+                            flops_per_token,
+                            peak.flops,
+                            memory,
+                        ),
+                    )
                     timer.reset()
                 if validator is not None and (validator.due(state.step) or last):
                     val_loss = validator.run(runtime, model_parts)
@@ -245,7 +288,10 @@ def _train(config: JobConfig, info) -> TrainResult:
                 if state.step % config.training.gc_freq == 0:
                     gc.collect(1)
     except KeyboardInterrupt:
-        log.warning("Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from", state.step)
+        log.warning(
+            "Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from",
+            state.step,
+        )
         stopped_early = True
     finally:
         gc.enable()
@@ -255,7 +301,15 @@ def _train(config: JobConfig, info) -> TrainResult:
     return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
 
 
-def train_step(runtime: ParallelRuntime, model_parts, optimizer, batches: Iterator, accum: int, timer: StepTimer, config) -> tuple[float, float]:
+def train_step(
+    runtime: ParallelRuntime,
+    model_parts,
+    optimizer,
+    batches: Iterator,
+    accum: int,
+    timer: StepTimer,
+    config,
+) -> tuple[float, float]:
     """Forward/backward over `accum` microbatches, clip, step. Returns (loss, grad_norm), both
     reduced over every rank so that all ranks log the same numbers."""
     optimizer.zero_grad(set_to_none=True)
@@ -271,11 +325,15 @@ def train_step(runtime: ParallelRuntime, model_parts, optimizer, batches: Iterat
     optimizer.step()
     loss = runtime.reduce_loss(total)
     if not math.isfinite(loss):
-        raise FloatingPointError(f"loss is {loss} at this step; lower optimizer.lr or check the data")
+        raise FloatingPointError(
+            f"loss is {loss} at this step; lower optimizer.lr or check the data"
+        )
     return loss, grad_norm
 
 
-def _window_metrics(timer: StepTimer, loss, grad_norm, optimizer, dims: ParallelDims, flops_per_token, peak, memory) -> dict[str, float]:
+def _window_metrics(
+    timer: StepTimer, loss, grad_norm, optimizer, dims: ParallelDims, flops_per_token, peak, memory
+) -> dict[str, float]:
     elapsed = time.perf_counter() - timer.window_start
     # A TP/CP/PP group shares the work on one data-parallel rank's tokens.
     tokens_per_s = timer.tokens / elapsed / (dims.tp * dims.cp * dims.pp)
@@ -296,7 +354,11 @@ def _window_metrics(timer: StepTimer, loss, grad_norm, optimizer, dims: Parallel
 
 
 def _layout(dims: ParallelDims) -> str:
-    parts = [f"{name} {getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, name) > 1]
+    parts = [
+        f"{name} {getattr(dims, name)}"
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        if getattr(dims, name) > 1
+    ]
     return " x ".join(parts) or "single process"
 
 
@@ -322,7 +384,9 @@ def _section(config: JobConfig, dotted: str):
     return node
 
 
-def _build_checkpointer(config, dims, model_parts, optimizer, lr_scheduler, loader, state, resolved_toml, dp_rank):
+def _build_checkpointer(
+    config, dims, model_parts, optimizer, lr_scheduler, loader, state, resolved_toml, dp_rank
+):
     ckpt = config.checkpoint
     if not (ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path):
         return None
@@ -341,4 +405,3 @@ def _build_checkpointer(config, dims, model_parts, optimizer, lr_scheduler, load
         config_toml=resolved_toml,
         dp_rank=dp_rank,
     )
-

@@ -51,5 +51,7 @@ class Validator:
         for part in model_parts:
             part.train()
         if count == 0:
-            raise RuntimeError(f"validation dataset {self.cfg.dataset!r} produced no batch; use a larger dataset or a smaller seq_len")
+            raise RuntimeError(
+                f"validation dataset {self.cfg.dataset!r} produced no batch; use a larger dataset or a smaller seq_len"
+            )
         return runtime.reduce_loss((total / count).float())

@@ -11,9 +11,26 @@ from titan_core.config import (
     to_toml,
     validate,
 )
-from titan_core.device import backend_for, device_name, local_device, resolve_device_type, supports_bf16
-from titan_core.distributed import DistInfo, destroy_distributed, init_distributed, world_size_from_env
-from titan_core.flops import PEAK_TFLOPS, PeakFlops, lookup_peak_flops, measure_matmul_flops, peak_flops
+from titan_core.device import (
+    backend_for,
+    device_name,
+    local_device,
+    resolve_device_type,
+    supports_bf16,
+)
+from titan_core.distributed import (
+    DistInfo,
+    destroy_distributed,
+    init_distributed,
+    world_size_from_env,
+)
+from titan_core.flops import (
+    PEAK_TFLOPS,
+    PeakFlops,
+    lookup_peak_flops,
+    measure_matmul_flops,
+    peak_flops,
+)
 from titan_core.log import get_logger, init_logging
 from titan_core.memory import MemoryMonitor, MemoryStats
 from titan_core.parallel_dims import ParallelDims
@@ -37,12 +54,48 @@ from titan_core.seed import set_seed
 __version__ = "0.1.0"
 
 __all__ = [
-    "PEAK_TFLOPS", "Checkpointer", "Comm", "ConfigError", "Converter", "DataSpec", "DistInfo",
-    "HFAdapter", "Job", "MemoryMonitor", "MemoryStats", "ModelSpec", "ParallelDims",
-    "ParallelizableModel", "PeakFlops", "PluginError", "Stateful", "StatefulLoader", "TPPlan",
-    "TPStyle", "Tokenizer", "available", "backend_for", "config_to_dict", "destroy_distributed",
-    "device_name", "field_docs", "get_logger", "init_distributed", "init_logging", "iter_options",
-    "load_config", "local_device", "lookup_peak_flops", "measure_matmul_flops", "peak_flops",
-    "render_help", "resolve", "resolve_device_type", "set_seed", "supports_bf16", "to_toml",
-    "validate", "world_size_from_env",
+    "PEAK_TFLOPS",
+    "Checkpointer",
+    "Comm",
+    "ConfigError",
+    "Converter",
+    "DataSpec",
+    "DistInfo",
+    "HFAdapter",
+    "Job",
+    "MemoryMonitor",
+    "MemoryStats",
+    "ModelSpec",
+    "ParallelDims",
+    "ParallelizableModel",
+    "PeakFlops",
+    "PluginError",
+    "Stateful",
+    "StatefulLoader",
+    "TPPlan",
+    "TPStyle",
+    "Tokenizer",
+    "available",
+    "backend_for",
+    "config_to_dict",
+    "destroy_distributed",
+    "device_name",
+    "field_docs",
+    "get_logger",
+    "init_distributed",
+    "init_logging",
+    "iter_options",
+    "load_config",
+    "local_device",
+    "lookup_peak_flops",
+    "measure_matmul_flops",
+    "peak_flops",
+    "render_help",
+    "resolve",
+    "resolve_device_type",
+    "set_seed",
+    "supports_bf16",
+    "to_toml",
+    "validate",
+    "world_size_from_env",
 ]

@@ -227,7 +227,11 @@ def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: l
         if key not in fields:
             where = _where(item)
             kind = "section" if isinstance(item, dict) and not path else "key"
-            label = f"[{'.'.join((*path, key))}]" if kind == "section" else f"{_section_label(path)} {key}"
+            label = (
+                f"[{'.'.join((*path, key))}]"
+                if kind == "section"
+                else f"{_section_label(path)} {key}"
+            )
             problems.append(f"unknown {kind} {label}{where}{_suggest(key, list(fields))}")
             continue
         tp = hints[key]
@@ -247,8 +251,12 @@ def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: l
             kwargs[key] = _coerce(item.value, tp, item.from_cli)
         except _BadValue as e:
             shown = json.dumps(item.value) if item.from_cli else _show(item.value)
-            reason = str(e) if str(e).startswith("allowed") else f"{e}; the type is {describe_type(tp)}"
-            problems.append(f"{_section_label(path)} {key} = {shown} is not valid{_where(item)}\n{reason}")
+            reason = (
+                str(e) if str(e).startswith("allowed") else f"{e}; the type is {describe_type(tp)}"
+            )
+            problems.append(
+                f"{_section_label(path)} {key} = {shown} is not valid{_where(item)}\n{reason}"
+            )
     try:
         return cls(**kwargs)
     except ConfigError as e:  # a section's __post_init__ may check its own values
@@ -276,7 +284,9 @@ def _leaves(tree: dict[str, Any]):
 def _from_toml(data: dict[str, Any], source: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
-        out[key] = _from_toml(value, source) if isinstance(value, dict) else _Raw(value, source, False)
+        out[key] = (
+            _from_toml(value, source) if isinstance(value, dict) else _Raw(value, source, False)
+        )
     return out
 
 
@@ -333,7 +343,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[T], args: Sequence[str] = (), *, toml_path: str | Path | None = None) -> T:
+def load_config(
+    cls: type[T], args: Sequence[str] = (), *, toml_path: str | Path | None = None
+) -> T:
     """Build a `cls` config from its defaults, a TOML file and `--section.key value` overrides.
 
     The TOML file comes from `toml_path` or from `--job.config_file PATH` among `args`.
@@ -356,7 +368,9 @@ def load_config(cls: type[T], args: Sequence[str] = (), *, toml_path: str | Path
     if toml_path is not None:
         path = Path(toml_path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist\npass an existing TOML file")
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist\npass an existing TOML file"
+            )
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

@@ -63,14 +63,10 @@ def supports_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        isa = ""
         try:
-            isa = torch.backends.cpu.get_cpu_capability()
-        except Exception:
-            pass
-        try:
-            flags = open("/proc/cpuinfo").read()
-        except OSError:
-            flags = ""
-        return "AVX512_BF16" in isa.upper() or "avx512_bf16" in flags or "amx_bf16" in flags
+            with open("/proc/cpuinfo") as f:
+                flags = f.read()
+        except OSError:  # not Linux: ask torch which vector ISA it dispatches to
+            return "AMX" in torch.backends.cpu.get_cpu_capability().upper()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
     return False

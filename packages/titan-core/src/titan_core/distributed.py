@@ -29,7 +29,6 @@ def init_distributed(device_type: str, timeout_seconds: float = 300.0) -> DistIn
     written for meshes and DTensors runs unchanged on one process.
     """
     backend = backend_for(device_type)
-    rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = local_device(device_type)

@@ -9,7 +9,9 @@ import sys
 logger = logging.getLogger("titan")
 
 
-def init_logging(rank: int | None = None, level: int = logging.INFO, all_ranks: bool = False) -> None:
+def init_logging(
+    rank: int | None = None, level: int = logging.INFO, all_ranks: bool = False
+) -> None:
     """Configure the `titan` logger once per process.
 
     Non-zero ranks log WARNING and above unless `all_ranks`; with several processes every line
@@ -19,7 +21,9 @@ def init_logging(rank: int | None = None, level: int = logging.INFO, all_ranks: 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     prefix = f"[rank{rank}] " if world > 1 else ""
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    )
     logger.handlers[:] = [handler]
     logger.propagate = False
     logger.setLevel(level if (rank == 0 or all_ranks) else max(level, logging.WARNING))

@@ -63,7 +63,9 @@ def _cpu_rss_bytes() -> tuple[int, int]:
                     current = int(line.split()[1]) * 1024
                 elif line.startswith("VmHWM:"):
                     peak = int(line.split()[1]) * 1024
-    except OSError:  # not Linux: ru_maxrss is the lifetime peak (kilobytes on Linux, bytes on macOS)
+    except (
+        OSError
+    ):  # not Linux: ru_maxrss is the lifetime peak (kilobytes on Linux, bytes on macOS)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         current = peak
     return current, max(peak, current)

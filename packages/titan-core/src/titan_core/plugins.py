@@ -33,13 +33,17 @@ def resolve(group: str, name: str) -> Any:
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise PluginError(f"cannot import {module_name!r} for {group} plugin {name!r}: {e}") from e
+            raise PluginError(
+                f"cannot import {module_name!r} for {group} plugin {name!r}: {e}"
+            ) from e
         obj: Any = module
         for part in attr.split("."):
             try:
                 obj = getattr(obj, part)
             except AttributeError:
-                raise PluginError(f"module {module_name!r} has no attribute {attr!r} ({group} plugin {name!r})") from None
+                raise PluginError(
+                    f"module {module_name!r} has no attribute {attr!r} ({group} plugin {name!r})"
+                ) from None
         return obj
     installed = available(group)
     if name not in installed:

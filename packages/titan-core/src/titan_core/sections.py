@@ -33,5 +33,7 @@ class Comm:
         problems = []
         for key in ("init_timeout_seconds", "train_timeout_seconds"):
             if getattr(self, key) <= 0:
-                problems.append(f"[comm] {key} = {getattr(self, key)} is not valid\nuse a positive number of seconds")
+                problems.append(
+                    f"[comm] {key} = {getattr(self, key)} is not valid\nuse a positive number of seconds"
+                )
         return problems
