@@ -46,8 +46,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         sizes["fsdp_ndim"] = None if fsdp is None else fsdp.ndim
         # Seeds: equal across everything but pp.
         seed = set_seed(1234, dims.world_mesh, vary_over=("pp",))
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (dims.world_mesh.get_coordinate(), seed))
+        # all_gather of tensors, not objects: object collectives need numpy, which torch alone lacks.
+        coord = dims.world_mesh.get_coordinate()
+        mine = torch.tensor([*coord, *([0] * (5 - len(coord))), seed], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        gathered = [(t[: len(coord)].tolist(), int(t[-1])) for t in gathered]
         sizes["seeds"] = gathered
         results.append(sizes)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
