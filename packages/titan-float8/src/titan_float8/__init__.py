@@ -1,0 +1,20 @@
+"""titan-float8: Float8 training through torchao, as a Titan model converter."""
+
+from titan_float8.config import Float8, recipe_names
+from titan_float8.converter import Float8Converter, build_float8_converter
+from titan_float8.filters import skip_reason, too_small_for_float8
+from titan_float8.hardware import float8_hardware_problem
+from titan_float8.tensor_parallel import float8_tp_styles
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Float8",
+    "Float8Converter",
+    "build_float8_converter",
+    "float8_hardware_problem",
+    "float8_tp_styles",
+    "recipe_names",
+    "skip_reason",
+    "too_small_for_float8",
+]

@@ -1,0 +1,21 @@
+"""Titan model zoo: model families registered under the `titan.models` entry-point group."""
+
+from titan_models.llama3 import (
+    LlamaArgs,
+    LlamaHFAdapter,
+    Transformer,
+    llama3_flavors,
+    llama3_spec,
+    llama_flops_per_token,
+    llama_param_count,
+)
+
+__all__ = [
+    "LlamaArgs",
+    "LlamaHFAdapter",
+    "Transformer",
+    "llama3_flavors",
+    "llama3_spec",
+    "llama_flops_per_token",
+    "llama_param_count",
+]

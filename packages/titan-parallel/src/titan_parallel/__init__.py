@@ -1,0 +1,89 @@
+"""titan-parallel: apply FSDP2/HSDP/DDP, tensor parallel (with sequence and loss parallel),
+activation checkpointing and torch.compile to a block-structured model, and the distributed
+utilities a training loop needs with them (global gradient clipping, metric reduction, exact
+initialisation under sharding)."""
+
+from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
+from titan_parallel.compile import apply_compile, compile_loss
+from titan_parallel.config import (
+    ActivationCheckpoint,
+    Compile,
+    Parallelism,
+    check_parallelize_config,
+)
+from titan_parallel.data_parallel import (
+    apply_ddp,
+    apply_fsdp,
+    autocast_context,
+    resolve_reshard_after_forward,
+)
+from titan_parallel.grad_clip import clip_grad_norm_, dist_max, dist_mean, dist_sum, total_grad_norm
+from titan_parallel.init import init_weights_exact
+from titan_parallel.parallelize import parallelize
+from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, loss_context
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SAVE_OPS",
+    "ActivationCheckpoint",
+    "Compile",
+    "Parallelism",
+    "apply_ac",
+    "apply_compile",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "autocast_context",
+    "check_parallelize_config",
+    "check_tp_plan",
+    "clip_grad_norm_",
+    "compile_loss",
+    "dist_max",
+    "dist_mean",
+    "dist_sum",
+    "init_weights_exact",
+    "loss_context",
+    "parallelize",
+    "resolve_reshard_after_forward",
+    "total_grad_norm",
+]
+
+# Pipeline and context parallel (kept as a separate block so the two parts can be merged freely).
+from titan_parallel.context_parallel import (  # noqa: E402
+    SUPPORTED_TORCH,
+    check_cp_seq_len,
+    cp_context,
+    cp_unshard,
+    enable_cpu_ring_attention,
+)
+from titan_parallel.pipeline import (  # noqa: E402
+    SCHEDULES,
+    Pipeline,
+    broadcast_pipeline_loss,
+    build_pipeline,
+    pp_total_norm,
+)
+from titan_parallel.pipeline_split import (  # noqa: E402
+    build_stage_modules,
+    split_balanced,
+    split_by_layers,
+    validate_split_points,
+)
+
+__all__ += [
+    "SCHEDULES",
+    "SUPPORTED_TORCH",
+    "Pipeline",
+    "broadcast_pipeline_loss",
+    "build_pipeline",
+    "build_stage_modules",
+    "check_cp_seq_len",
+    "cp_context",
+    "cp_unshard",
+    "enable_cpu_ring_attention",
+    "pp_total_norm",
+    "split_balanced",
+    "split_by_layers",
+    "validate_split_points",
+]

@@ -53,12 +53,8 @@ def model_units(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
             f"{type(model).__name__}.layers is a {type(model.layers).__name__}; pipeline parallel needs an"
             " nn.ModuleDict so that block names stay stable when blocks are deleted"
         )
-    layers = [f"layers.{key}" for key in model.layers.keys()]
+    layers = [f"layers.{key}" for key in model.layers]
     return list(model.pre_blocks), layers, list(model.post_blocks)
-
-
-def _stage_error(message: str) -> ConfigError:
-    return ConfigError(message)
 
 
 def split_by_layers(
@@ -78,18 +74,18 @@ def split_by_layers(
     """
     pre, layers, post = model_units(model)
     if first_stage_less_layers < 0 or last_stage_less_layers < 0:
-        raise _stage_error(
+        raise ConfigError(
             "[parallelism] pipeline_parallel_first_stage_less_layers / last_stage_less_layers must be >= 0"
         )
     units = len(layers) + first_stage_less_layers + last_stage_less_layers
     if layers_per_stage is not None:
         if layers_per_stage < 1:
-            raise _stage_error(
+            raise ConfigError(
                 f"[parallelism] pipeline_parallel_layers_per_stage = {layers_per_stage} is not valid\n"
                 "use 1 or more"
             )
         if units % layers_per_stage:
-            raise _stage_error(
+            raise ConfigError(
                 f"[parallelism] pipeline_parallel_layers_per_stage = {layers_per_stage} does not divide"
                 f" the model's {len(layers)} layers + {first_stage_less_layers} (embedding)"
                 f" + {last_stage_less_layers} (output) = {units} layer-equivalents\n"
@@ -97,7 +93,7 @@ def split_by_layers(
             )
         stages_needed = units // layers_per_stage
         if num_stages is not None and num_stages != stages_needed:
-            raise _stage_error(
+            raise ConfigError(
                 f"[parallelism] pipeline_parallel_layers_per_stage = {layers_per_stage} makes"
                 f" {stages_needed} stages but the schedule needs {num_stages}\n"
                 f"use pipeline_parallel_layers_per_stage = {units / num_stages:g} or leave it unset"
@@ -111,7 +107,7 @@ def split_by_layers(
     if num_stages == 1:
         sizes = [len(layers)]
     if min(sizes) < 0 or (num_stages > 1 and 0 in sizes[1:-1]):
-        raise _stage_error(
+        raise ConfigError(
             f"cannot split {len(layers)} layers into {num_stages} pipeline stages"
             f" (first stage {first_stage_less_layers} and last stage {last_stage_less_layers} fewer)\n"
             "use fewer stages (pipeline_parallel_degree or stages per rank), or less "
@@ -130,7 +126,9 @@ def split_by_layers(
     return out
 
 
-def validate_split_points(model: nn.Module, split_points: Sequence[Sequence[str]]) -> list[list[str]]:
+def validate_split_points(
+    model: nn.Module, split_points: Sequence[Sequence[str]]
+) -> list[list[str]]:
     """Check an explicit split (module names per stage) and return it as lists.
 
     Every pre-block, layer and post-block must appear exactly once, pre-blocks in the first
@@ -154,12 +152,16 @@ def validate_split_points(model: nn.Module, split_points: Sequence[Sequence[str]
                     f"known: {', '.join(order)}"
                 )
             elif name in seen:
-                problems.append(f"{name!r} is in pipeline stages {seen[name]} and {stage}; give each module once")
+                problems.append(
+                    f"{name!r} is in pipeline stages {seen[name]} and {stage}; give each module once"
+                )
             else:
                 seen[name] = stage
     missing = [n for n in order if n not in seen]
     if missing:
-        problems.append(f"pipeline split points leave out {', '.join(missing)}; every block needs a stage")
+        problems.append(
+            f"pipeline split points leave out {', '.join(missing)}; every block needs a stage"
+        )
     if not problems:
         flat = [n for names in split_points for n in names]
         if [position[n] for n in flat] != sorted(position[n] for n in flat):
@@ -168,8 +170,14 @@ def validate_split_points(model: nn.Module, split_points: Sequence[Sequence[str]
                 f" stage k-1's, embedding first and output last (got {[list(s) for s in split_points]})"
             )
         last = len(split_points) - 1
-        problems += [f"{n!r} runs before the blocks and must be in stage 0" for n in pre if seen[n] != 0]
-        problems += [f"{n!r} runs after the blocks and must be in the last stage" for n in post if seen[n] != last]
+        problems += [
+            f"{n!r} runs before the blocks and must be in stage 0" for n in pre if seen[n] != 0
+        ]
+        problems += [
+            f"{n!r} runs after the blocks and must be in the last stage"
+            for n in post
+            if seen[n] != last
+        ]
     if problems:
         raise ConfigError(problems)
     return [list(names) for names in split_points]
@@ -240,7 +248,7 @@ def split_balanced(
     """
     units, costs = _module_costs(model, by, seq_len)
     if num_stages > len(units):
-        raise _stage_error(
+        raise ConfigError(
             f"cannot split {len(units)} pipeline units (embedding, {len(model.layers)} layers, output)"
             f" into {num_stages} stages\nuse fewer stages"
         )
@@ -286,7 +294,7 @@ def build_stage_modules(
     for stage in stage_ids:
         owned = set(names_per_stage[stage])
         part = copy.deepcopy(model)
-        for key in list(part.layers.keys()):
+        for key in list(part.layers):
             if f"layers.{key}" not in owned:
                 del part.layers[key]
         for name in pre + post:

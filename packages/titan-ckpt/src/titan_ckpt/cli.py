@@ -1,0 +1,198 @@
+"""`titan-ckpt`: inspect checkpoint folders and convert between DCP, Hugging Face safetensors and
+single torch files.
+
+    titan-ckpt list OUTPUTS/checkpoint
+    titan-ckpt convert dcp-to-hf   OUTPUTS/checkpoint/step-1000 hf_out --model llama3 --flavor 8B
+    titan-ckpt convert hf-to-dcp   hf_in  step-0 --model llama3 --flavor 8B
+    titan-ckpt convert dcp-to-torch OUTPUTS/checkpoint/step-1000 model.pt --model-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from titan_ckpt import layout
+from titan_ckpt.dcp_io import dcp_to_torch_file, load_consolidated, save_model_checkpoint
+from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_core.plugins import MODELS, PluginError, resolve
+from titan_core.protocols import HFAdapter
+
+
+class CliError(Exception):
+    pass
+
+
+def build_adapter(model: str, flavor: str | None, overrides: Sequence[str] = ()) -> HFAdapter:
+    """The HF adapter of a registered model family (name or `module:attr`) for one flavor, with
+    `key=value` overrides of the flavor's arguments (e.g. `vocab_size=128256`)."""
+    try:
+        spec = resolve(MODELS, model)
+    except PluginError as e:
+        raise CliError(str(e)) from None
+    if spec.hf_adapter is None:
+        raise CliError(f"model {spec.name!r} has no Hugging Face adapter")
+    flavors = dict(spec.flavors)
+    if flavor is None:
+        raise CliError(f"name a flavor with --flavor; {spec.name} has: {', '.join(flavors)}")
+    if flavor not in flavors:
+        raise CliError(
+            f"model {spec.name!r} has no flavor {flavor!r}; it has: {', '.join(flavors)}"
+        )
+    args = flavors[flavor]
+    if overrides:
+        args = dataclasses.replace(args, **dict(_parse_override(o) for o in overrides))
+    return spec.hf_adapter(args)
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, eq, value = text.partition("=")
+    if not eq:
+        raise CliError(f"--set {text!r}: write key=value, e.g. --set vocab_size=2048")
+    try:
+        return key.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return key.strip(), value.strip()
+
+
+def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
+    """[model] name and flavor from the resolved config saved in the checkpoint, if any."""
+    path = ckpt / layout.CONFIG_FILE
+    if not path.is_file():
+        return None, None
+    model = tomllib.loads(path.read_text()).get("model", {})
+    return model.get("name"), model.get("flavor")
+
+
+def _dcp_to_hf(a: argparse.Namespace) -> None:
+    ckpt = Path(a.checkpoint)
+    _require_checkpoint(ckpt)
+    saved_name, saved_flavor = _model_from_config(ckpt)
+    name = a.model or saved_name
+    if name is None:
+        raise CliError(
+            f"{ckpt} has no config.toml naming the model; pass --model NAME --flavor FLAVOR"
+        )
+    adapter = build_adapter(name, a.flavor or saved_flavor, a.set)
+    state = load_consolidated(ckpt, "model.")
+    files = export_hf(
+        state, adapter, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30)
+    )
+    print(f"wrote {len(files)} files to {a.out}")
+
+
+def _hf_to_dcp(a: argparse.Namespace) -> None:
+    adapter = build_adapter(a.model, a.flavor, a.set)
+    state = import_hf(a.hf_folder, adapter)
+    if a.dtype:
+        state = {k: v.to(DTYPES[a.dtype]) if v.is_floating_point() else v for k, v in state.items()}
+    out = save_model_checkpoint(state, a.out, step=a.step)
+    print(
+        f"wrote model-only checkpoint {out} (use it as [checkpoint] initial_load_path, or as step-{a.step} of a run)"
+    )
+
+
+def _dcp_to_torch(a: argparse.Namespace) -> None:
+    ckpt = Path(a.checkpoint)
+    _require_checkpoint(ckpt)
+    dcp_to_torch_file(ckpt, a.out, model_only=a.model_only)
+    print(f"wrote {a.out} (load with torch.load(path, weights_only=True))")
+
+
+def _list(a: argparse.Namespace) -> None:
+    found = layout.list_checkpoints(a.folder)
+    if not found:
+        print(f"no complete checkpoints in {a.folder}")
+    for step, path in found:
+        record = layout.read_commit(path)
+        kind = "model only" if record.get("model_only") else "full"
+        print(f"step {step:>8}  {kind:<10}  world {record.get('world_size', '?'):>4}  {path}")
+
+
+def _require_checkpoint(path: Path) -> None:
+    if not layout.is_complete(path):
+        raise CliError(
+            f"{path} is not a complete checkpoint folder (no {layout.COMMIT_FILE} or .metadata)"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="titan-ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="list the complete checkpoints in a folder")
+    ls.add_argument("folder")
+    ls.set_defaults(func=_list)
+    convert = sub.add_parser("convert", help="convert between formats").add_subparsers(
+        dest="kind", required=True
+    )
+
+    def model_args(p: argparse.ArgumentParser, required: bool) -> None:
+        p.add_argument(
+            "--model",
+            required=required,
+            help="titan.models name or module:attr (default: from config.toml)",
+        )
+        p.add_argument(
+            "--flavor", help="model flavor, e.g. debugmodel or 8B (default: from config.toml)"
+        )
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a flavor argument",
+        )
+
+    to_hf = convert.add_parser("dcp-to-hf", help="DCP checkpoint -> HF safetensors + config.json")
+    to_hf.add_argument("checkpoint")
+    to_hf.add_argument("out")
+    model_args(to_hf, required=False)
+    to_hf.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast floating weights (default: as saved)",
+    )
+    to_hf.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="split safetensors files above this size"
+    )
+    to_hf.set_defaults(func=_dcp_to_hf)
+
+    from_hf = convert.add_parser("hf-to-dcp", help="HF safetensors -> model-only DCP checkpoint")
+    from_hf.add_argument("hf_folder")
+    from_hf.add_argument("out")
+    model_args(from_hf, required=True)
+    from_hf.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="cast floating weights"
+    )
+    from_hf.add_argument("--step", type=int, default=0, help="step recorded in the checkpoint")
+    from_hf.set_defaults(func=_hf_to_dcp)
+
+    to_torch = convert.add_parser("dcp-to-torch", help="DCP checkpoint -> one torch.save file")
+    to_torch.add_argument("checkpoint")
+    to_torch.add_argument("out")
+    to_torch.add_argument("--model-only", action="store_true", help="only the model weights")
+    to_torch.set_defaults(func=_dcp_to_torch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (CliError, FileNotFoundError, ValueError) as e:
+        print(f"titan-ckpt: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

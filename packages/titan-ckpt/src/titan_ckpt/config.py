@@ -1,0 +1,91 @@
+"""The [checkpoint] config section (torchtitan's key names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one in `folder`."""
+    folder: str = "checkpoint"
+    """Where checkpoints go, relative to [job] dump_folder (one `step-<N>` folder per save)."""
+    interval: int = 500
+    """Save every this many steps (and always at the last step)."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """How saving overlaps training: `disabled` blocks until written; `async` blocks only while the
+    state is copied to CPU memory and writes in the background; `async_with_pinned_mem` (CUDA only)
+    also copies into reused pinned buffers in the background, waiting before the next optimizer step."""
+    async_executor: Literal["thread", "process"] = "thread"
+    """Where an async save writes: a background thread, or a background process (torch's
+    AsyncCheckpointerType.PROCESS; keeps file I/O off the trainer's GIL, costs a process start)."""
+    keep_latest_k: int = 10
+    """Keep only the newest this many complete checkpoints (0 keeps all). 1 is allowed, also with
+    async saves: old checkpoints are pruned only after the new one is committed."""
+    load_step: int = -1
+    """Step to resume from; -1 picks the newest complete checkpoint."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """States not restored on resume, by name (model, optimizer, lr_scheduler, dataloader,
+    train_state, rng)."""
+    last_save_model_only: bool = False
+    """At the last step, save only the model weights (in `export_dtype`): the final checkpoint is
+    for evaluation or export, not for resuming. (torchtitan defaults to true; Titan defaults to false
+    so that a run stopped early, or extended later, resumes from its last save.)"""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of model-only final saves and of Hugging Face exports."""
+    last_save_in_hf: bool = False
+    """At the last step, also write Hugging Face safetensors + config.json into `step-<N>/hf`
+    (needs a model with an HF adapter)."""
+    initial_load_path: str | None = None
+    """A checkpoint to start from when `folder` holds none (a `step-<N>` folder, or a Hugging Face
+    folder with `initial_load_in_hf`)."""
+    initial_load_model_only: bool = True
+    """Take only the model weights from `initial_load_path` (fine-tuning from a pretrained model)."""
+    initial_load_in_hf: bool = False
+    """`initial_load_path` holds Hugging Face safetensors (needs a model with an HF adapter)."""
+    create_seed_checkpoint: bool = False
+    """Write a model-only `step-0` checkpoint (usually from one process) and stop; later runs in any
+    parallel layout start from these exact weights."""
+    checkpointer: str = "dcp"
+    """Which checkpoint package the trainer uses: a name registered under the
+    `titan.checkpointers` entry-point group, or `module:attr` of a build function."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.interval < 1:
+            problems.append(
+                f"[checkpoint] interval = {self.interval} is not valid\nuse a positive number of steps"
+            )
+        if self.keep_latest_k < 0:
+            problems.append(
+                f"[checkpoint] keep_latest_k = {self.keep_latest_k} is not valid\nuse 0 to keep all, or a positive count"
+            )
+        if self.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+            problems.append(
+                '[checkpoint] async_mode = "async_with_pinned_mem" needs CUDA, and no GPU is visible\n'
+                'use "async" on CPU'
+            )
+        if self.load_step < -1:
+            problems.append(
+                f"[checkpoint] load_step = {self.load_step} is not valid\nuse -1 for the newest, or a saved step"
+            )
+        known = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
+        for name in self.exclude_from_loading:
+            if name not in known:
+                problems.append(
+                    f"[checkpoint] exclude_from_loading names unknown state {name!r}\n"
+                    f"allowed: {', '.join(sorted(known))}"
+                )
+        if self.initial_load_in_hf and not self.initial_load_path:
+            problems.append(
+                "[checkpoint] initial_load_in_hf = true needs initial_load_path\nname the HF folder"
+            )
+        if self.initial_load_in_hf and not self.initial_load_model_only:
+            problems.append(
+                "[checkpoint] initial_load_in_hf = true holds model weights only\nset initial_load_model_only = true"
+            )
+        return problems

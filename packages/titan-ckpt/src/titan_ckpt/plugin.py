@@ -1,0 +1,46 @@
+"""The `dcp` entry point of the `titan.checkpointers` group: what the trainer calls."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from titan_ckpt.config import Checkpoint
+from titan_ckpt.manager import CheckpointManager
+from titan_core.protocols import Checkpointer, HFAdapter
+
+
+def build_checkpointer(
+    config: Checkpoint,
+    *,
+    states: Mapping[str, Any],
+    dump_folder: str,
+    dims: Any = None,
+    config_toml: str = "",
+    dp_rank: int | None = None,
+    hf_adapter: HFAdapter | None = None,
+    **_ignored: Any,
+) -> Checkpointer:
+    """A `CheckpointManager` writing to `<dump_folder>/<config.folder>`.
+
+    `dims` (a titan_core ParallelDims with its mesh built) gives the data-parallel rank and size
+    that key the data loader's state; `dp_rank` overrides the rank. Unknown keyword arguments are
+    accepted and ignored so that a newer trainer can pass more than this version knows about.
+    """
+    dp_world = dims.dp_degree if dims is not None else 1
+    if dp_rank is None:
+        mesh = dims.mesh("dp") if dims is not None and dp_world > 1 else None
+        dp_rank = mesh.get_local_rank() if mesh is not None else 0
+    folder = (
+        config.folder if os.path.isabs(config.folder) else os.path.join(dump_folder, config.folder)
+    )
+    return CheckpointManager(
+        config,
+        states,
+        folder,
+        config_toml=config_toml,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world,
+        hf_adapter=hf_adapter,
+    )

@@ -1,0 +1,156 @@
+"""Cases run inside one gloo process group per world size (started once by test_distributed.py).
+
+Each case raises on failure; `main` records "ok" or the traceback per case and rank, so that one
+failing case does not hide the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from ckpt_toy import assert_same, build_run, full_model, full_optimizer, train
+
+from titan_ckpt import Checkpoint, CheckpointManager
+from titan_ckpt.layout import read_commit
+
+N = 3
+
+
+def _reference(work: Path) -> dict:
+    return torch.load(work / "reference.pt", weights_only=True)
+
+
+def _exact_resume(work: Path, layout: str, async_mode: str, executor: str = "thread") -> None:
+    """2N steps in one go == N steps, stop, resume for N: losses and parameters bitwise."""
+    folder = work / f"resume-{layout}-{async_mode}-{executor}"
+    a = build_run(layout)
+    losses_a = train(a, 2 * N)
+    params_a = full_model(a.model)
+
+    cfg = Checkpoint(enable=True, interval=N, async_mode=async_mode, async_executor=executor)
+    b = build_run(layout)
+    manager = CheckpointManager(
+        cfg, b.states(), folder, dp_rank=b.data.dp_rank, dp_world_size=_dp_world(layout)
+    )
+    # One step past the save: it runs while an async save may still be copying, and is then lost.
+    losses_b = train(b, N + 1, manager)[:N]
+    manager.close()
+
+    c = build_run(layout, seed=123)  # different initial weights: the load must overwrite them
+    manager = CheckpointManager(
+        cfg, c.states(), folder, dp_rank=c.data.dp_rank, dp_world_size=_dp_world(layout)
+    )
+    assert manager.load() == N
+    assert c.state.step == N and c.data.position == N
+    losses_b += train(c, N, manager, last_step=2 * N)
+    manager.close()
+    # Same layout, same deterministic gloo reductions: no tolerance, bitwise equality.
+    assert losses_a == losses_b, (losses_a, losses_b)
+    assert_same(params_a, full_model(c.model), f"{layout} parameters after resume")
+
+
+def _dp_world(layout: str) -> int:
+    world = dist.get_world_size()
+    return world // 2 if layout == "fsdp_tp" else world
+
+
+def _load_and_compare(work: Path, layout: str, source: str, dest: str) -> None:
+    """Load checkpoint `source` under `layout`: model and optimizer equal the reference; then save
+    it under this layout to `dest` for the next link of the chain."""
+    ref = _reference(work)
+    run = build_run(layout, seed=99)
+    cfg = Checkpoint(
+        enable=True, interval=2, initial_load_path=str(work / source), initial_load_model_only=False
+    )
+    manager = CheckpointManager(
+        cfg, run.states(), work / dest, dp_rank=run.data.dp_rank, dp_world_size=_dp_world(layout)
+    )
+    assert manager.load() == 0  # from initial_load_path: a new run in a new folder
+    # Parameters and optimizer state are copied, never recomputed: bitwise equality.
+    assert_same(ref["model"], full_model(run.model), f"model {source} -> {layout}")
+    assert_same(
+        ref["optimizer"],
+        full_optimizer(run.model, run.optimizer),
+        f"optimizer {source} -> {layout}",
+    )
+    assert run.state.step == ref["step"]
+    assert run.scheduler.last_epoch == ref["step"]
+    # The data-parallel size changed (1 -> n): loaders are not restored and say so in the log.
+    if _dp_world(layout) != read_commit(work / source)["dp_world_size"]:
+        assert run.data.position == 0
+    manager.save(ref["step"])
+    manager.close()
+    if dist.get_rank() == 0:
+        assert (work / dest / f"step-{ref['step']}" / "titan_commit.json").is_file()
+
+
+def case_exact_resume_fsdp_async(work: Path) -> None:
+    _exact_resume(work, "fsdp", "async")
+
+
+def case_exact_resume_fsdp_async_process(work: Path) -> None:
+    _exact_resume(work, "fsdp", "async", executor="process")
+
+
+def case_exact_resume_hsdp(work: Path) -> None:
+    _exact_resume(work, "hsdp", "disabled")
+
+
+def case_reshard_1_to_fsdp2(work: Path) -> None:
+    _load_and_compare(work, "fsdp", "ckpt1/step-2", "fsdp2")
+
+
+def case_reshard_fsdp2_to_fsdp4(work: Path) -> None:
+    _load_and_compare(work, "fsdp", "fsdp2/step-2", "fsdp4")
+
+
+def case_reshard_fsdp4_to_fsdp2_tp2(work: Path) -> None:
+    _load_and_compare(work, "fsdp_tp", "fsdp4/step-2", "fsdp_tp")
+
+
+def case_reshard_fsdp2_tp2_to_fsdp4(work: Path) -> None:
+    _load_and_compare(work, "fsdp", "fsdp_tp/step-2", "fsdp4_again")
+
+
+def case_seed_checkpoint_loads_in_fsdp2(work: Path) -> None:
+    run = build_run("fsdp", seed=42)
+    manager = CheckpointManager(
+        Checkpoint(enable=True), run.states(), work / "seed", dp_world_size=2
+    )
+    assert manager.load() == 0
+    manager.close()
+    seed_weights = torch.load(work / "seed_weights.pt", weights_only=True)
+    assert_same(seed_weights, full_model(run.model), "seed checkpoint weights under FSDP 2")
+
+
+def main(rank: int, world: int, init_file: str, work: str, cases: list[str]) -> None:
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=90),
+    )
+    results = {}
+    start = time.perf_counter()
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            globals()[f"case_{case}"](Path(work))
+            results[case] = "ok"
+        except Exception:
+            results[case] = traceback.format_exc()
+        dist.barrier()
+        results[f"{case}.seconds"] = round(time.perf_counter() - t0, 2)
+    results["total_seconds"] = round(time.perf_counter() - start, 2)
+    dist.destroy_process_group()
+    Path(work, f"results-{world}-{rank}.json").write_text(json.dumps(results))

@@ -1,0 +1,139 @@
+"""Hugging Face safetensors export/import through an HFAdapter, and the titan-ckpt CLI."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from ckpt_toy import ToyModel, assert_same, build_run, full_model, train
+from ckpt_toy_hf import ToyAdapter, ToyArgs
+
+from titan_ckpt import Checkpoint, CheckpointManager, export_hf, import_hf, read_safetensors
+from titan_ckpt.cli import main
+
+SPEC = "ckpt_toy_hf:TOY_SPEC"
+
+
+def _weights(seed=0):
+    torch.manual_seed(seed)
+    return {k: v.clone() for k, v in ToyModel().state_dict().items()}
+
+
+def test_export_then_import_gives_the_exact_tensors_back_across_shards(tmp_path):
+    weights = _weights()
+    files = export_hf(
+        weights, ToyAdapter(ToyArgs()), tmp_path, max_shard_bytes=20_000, progress=False
+    )
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((tmp_path / s).is_file() for s in shards)
+    assert "lm_head.weight" in index["weight_map"] and len(files) == len(shards) + 2
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float32"
+    assert read_safetensors(tmp_path, progress=False)["lm_head.weight"].shape == (
+        32,
+        64,
+    )  # stored transposed
+    assert_same(
+        weights, import_hf(tmp_path, ToyAdapter(ToyArgs()), progress=False), "HF round trip"
+    )
+
+
+def test_export_dtype_casts_floating_weights(tmp_path):
+    weights = _weights()
+    export_hf(weights, ToyAdapter(ToyArgs()), tmp_path, dtype="bfloat16", progress=False)
+    assert (tmp_path / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    back = import_hf(tmp_path, ToyAdapter(ToyArgs()), progress=False)
+    assert_same({k: v.to(torch.bfloat16) for k, v in weights.items()}, back, "bf16 export")
+
+
+def test_cli_converts_dcp_to_hf_to_dcp_and_to_a_torch_file(tmp_path, capsys):
+    run = build_run(dropout=0.0)
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=1),
+        run.states(),
+        tmp_path / "ckpt",
+        config_toml='[model]\nname = "ckpt_toy_hf:TOY_SPEC"\nflavor = "tiny"\n',
+    )
+    train(run, 1, manager)
+    manager.close()
+    step = tmp_path / "ckpt" / "step-1"
+    expected = full_model(run.model)
+
+    assert (
+        main(["convert", "dcp-to-hf", str(step), str(tmp_path / "hf")]) == 0
+    )  # model named by config.toml
+    assert_same(
+        expected, import_hf(tmp_path / "hf", ToyAdapter(ToyArgs()), progress=False), "dcp -> hf"
+    )
+
+    assert (
+        main(
+            [
+                "convert",
+                "hf-to-dcp",
+                str(tmp_path / "hf"),
+                str(tmp_path / "from_hf"),
+                "--model",
+                SPEC,
+                "--flavor",
+                "tiny",
+            ]
+        )
+        == 0
+    )
+    fresh = build_run(seed=4, dropout=0.0)
+    cfg = Checkpoint(enable=True, initial_load_path=str(tmp_path / "from_hf"))
+    assert CheckpointManager(cfg, fresh.states(), tmp_path / "new_run").load() == 0
+    assert_same(expected, full_model(fresh.model), "hf -> dcp -> model")
+
+    assert main(["convert", "dcp-to-torch", str(step), str(tmp_path / "all.pt")]) == 0
+    everything = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert_same(expected, everything["model"], "dcp -> torch file")
+    assert everything["train_state"] == {"step": 1, "tokens_seen": 32}
+    assert everything["dataloader"]["dp0"] == {"position": 1, "seed": 7}
+    assert everything["config"] == {
+        "toml": '[model]\nname = "ckpt_toy_hf:TOY_SPEC"\nflavor = "tiny"\n'
+    }
+    assert any(k.startswith("state.layers.0.w1.weight.exp_avg") for k in everything["optimizer"])
+
+    assert main(["list", str(tmp_path / "ckpt")]) == 0
+    assert "step        1  full" in capsys.readouterr().out
+    assert (
+        main(
+            [
+                "convert",
+                "dcp-to-hf",
+                str(step),
+                str(tmp_path / "x"),
+                "--model",
+                SPEC,
+                "--flavor",
+                "huge",
+            ]
+        )
+        == 2
+    )
+    assert "no flavor 'huge'" in capsys.readouterr().err
+
+
+def test_initial_load_from_hugging_face_weights(tmp_path):
+    weights = _weights(seed=8)
+    export_hf(weights, ToyAdapter(ToyArgs()), tmp_path / "hf", progress=False)
+    run = build_run(seed=1)
+    cfg = Checkpoint(enable=True, initial_load_path=str(tmp_path / "hf"), initial_load_in_hf=True)
+    manager = CheckpointManager(
+        cfg, run.states(), tmp_path / "ckpt", hf_adapter=ToyAdapter(ToyArgs())
+    )
+    assert manager.load() == 0
+    assert_same(weights, full_model(run.model), "initial load from HF")
+
+
+def test_last_save_in_hf_writes_safetensors_inside_the_final_checkpoint(tmp_path):
+    run = build_run(dropout=0.0)
+    cfg = Checkpoint(enable=True, interval=10, last_save_in_hf=True, export_dtype="float16")
+    manager = CheckpointManager(cfg, run.states(), tmp_path, hf_adapter=ToyAdapter(ToyArgs()))
+    train(run, 2, manager, last_step=2)
+    manager.close()
+    back = import_hf(tmp_path / "step-2" / "hf", ToyAdapter(ToyArgs()), progress=False)
+    assert_same({k: v.half() for k, v in full_model(run.model).items()}, back, "last save in HF")

@@ -1,0 +1,121 @@
+"""The shape of a Llama 3 model, and the named flavors from debug size to 405B."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int = 4096
+    """Width of the residual stream (hidden size)."""
+    n_layers: int = 32
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Number of query heads; head_dim = dim // n_heads."""
+    n_kv_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); None means n_heads."""
+    vocab_size: int = 128256
+    """Rows of the embedding table; the trainer replaces it with its tokenizer's."""
+    multiple_of: int = 256
+    """The feed-forward hidden size is rounded up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Scales the feed-forward hidden size (8/3 * dim) before rounding; None means 1."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 500000.0
+    """Base of the rotary position embedding frequencies."""
+    use_rope_scaling: bool = True
+    """Apply Llama 3.1's long-context frequency scaling to the rotary embedding."""
+    rope_scaling_factor: float = 8.0
+    """Divisor applied to the low frequencies (Llama 3.1: 8, Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """Wavelengths above original_max_seq_len / this are fully scaled."""
+    rope_high_freq_factor: float = 4.0
+    """Wavelengths below original_max_seq_len / this are left alone."""
+    rope_original_max_seq_len: int = 8192
+    """Context length the model was pretrained at before the long-context extension."""
+    max_seq_len: int = 131072
+    """Rows of the rotary table; the trainer sets it to training.seq_len."""
+    tie_word_embeddings: bool = False
+    """Share one matrix between the token embedding and the output projection."""
+    depth_init: bool = True
+    """Scale the residual-writing projections by each block's depth (else by n_layers)."""
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"LlamaArgs: dim {self.dim} is not divisible by n_heads {self.n_heads}"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaArgs: n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"LlamaArgs: head_dim {self.head_dim} must be even for rotary embeddings"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size, computed the way Meta's reference does (2/3 of 4*dim, scaled, rounded up)."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+_LLAMA_3_2_ROPE = dict(
+    rope_scaling_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0
+)
+
+llama3_flavors: dict[str, LlamaArgs] = {
+    # Small enough for CPU tests; GQA (2 query heads per kv head) and rope scaling both exercised.
+    "debugmodel": LlamaArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, max_seq_len=2048
+    ),
+    # About 104M non-embedding parameters, for throughput benchmarks.
+    "100M": LlamaArgs(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim_multiplier=1.5, max_seq_len=8192
+    ),
+    # Llama 3.2 shapes.
+    "1B": LlamaArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        tie_word_embeddings=True,
+        **_LLAMA_3_2_ROPE,
+    ),
+    "3B": LlamaArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        tie_word_embeddings=True,
+        **_LLAMA_3_2_ROPE,
+    ),
+    # Llama 3.1 shapes.
+    "8B": LlamaArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024
+    ),
+    "70B": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
+    ),
+    "405B": LlamaArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096
+    ),
+}
+"""Named shapes. The official ones use the Llama 3 vocabulary (128256) and max_seq_len 131072."""

@@ -1,0 +1,203 @@
+"""Llama 3.1, written for reading and for parallelism.
+
+Structure: `tok_embeddings` -> `layers` ("0".."n-1", each RMSNorm -> attention -> residual,
+RMSNorm -> SwiGLU -> residual) -> `norm` -> `output`. Attention is grouped-query, causal,
+through `F.scaled_dot_product_attention`; rotary embeddings come from a non-persistent buffer
+`rope_cache` owned by the root (see `rope.py`). Nothing is global: a module's behaviour depends
+only on its `LlamaArgs`.
+
+Parallelism hooks: heads are always reshaped with -1 so tensor parallel can shard them;
+pipeline parallel may delete blocks from `layers` and set `tok_embeddings`, `norm` or `output`
+to None, in which case `forward` passes its input through that step unchanged.
+
+Initialisation (`init_weights`, after `to_empty`), every draw truncated at 3 standard deviations
+except the embedding:
+- `tok_embeddings`: normal(0, 1), since the first RMSNorm rescales it anyway.
+- wq, wk, wv, w1, w3: std 0.02.
+- wo, w2 (they write into the residual stream): std 0.02 / sqrt(2 * (layer_id + 1)) with
+  `depth_init`, else 0.02 / sqrt(2 * n_layers), so the stream's variance does not grow with depth.
+- RMSNorm scales: 1.
+- `output`: std dim**-0.5, so initial logits have unit scale. With tied embeddings the shared
+  matrix gets this init (normal(0, 1) would make the logits sqrt(dim) times too large).
+Only `nn.init` functions touch the parameters, so this works on DTensor shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_core.protocols import TPPlan
+from titan_models.llama3.args import LlamaArgs
+from titan_models.llama3.flops import llama_flops_per_token
+from titan_models.llama3.rope import apply_rope, build_rope_cache
+
+BASE_STD = 0.02
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads  # unchanged by TP: both head counts are sharded
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _trunc_normal_(linear.weight, BASE_STD)
+        _trunc_normal_(self.wo.weight, out_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        # [batch, heads, seq, head_dim]; kv head i serves query heads i*n_rep .. (i+1)*n_rep-1.
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def init_weights(self, out_std: float) -> None:
+        _trunc_normal_(self.w1.weight, BASE_STD)
+        _trunc_normal_(self.w3.weight, BASE_STD)
+        _trunc_normal_(self.w2.weight, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_init_std = BASE_STD / math.sqrt(2 * depth)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def init_weights(self) -> None:
+        """Initialise this block alone (a pipeline stage inits only the blocks it owns)."""
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_init_std)
+        self.feed_forward.init_weights(self.out_init_std)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder; satisfies `titan_core.protocols.ParallelizableModel`.
+
+    Build under `torch.device("meta")`, then `to_empty(device=...)` and `init_weights()`.
+    `forward(tokens)` maps int64 `[batch, seq]` tokens to `[batch, seq, vocab]` logits. With
+    `tok_embeddings` set to None it takes hidden states `[batch, seq, dim]` instead, and with
+    `norm`/`output` set to None it returns hidden states (pipeline stages).
+    """
+
+    pre_blocks = ("tok_embeddings",)
+    post_blocks = ("norm", "output")
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self._tie_weights()
+        # Not persistent: it is a function of args, recomputed by init_weights, never checkpointed.
+        self.register_buffer("rope_cache", build_rope_cache(args), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply gives each module a fresh Parameter when a tensor changes device type
+        # (meta -> cpu in to_empty, cpu -> cuda in .to), which would silently untie the
+        # embedding and output weights; every such conversion passes here, so re-tie after it.
+        super()._apply(fn, recurse)
+        self._tie_weights()
+        return self
+
+    def _tie_weights(self) -> None:
+        if not self.args.tie_word_embeddings or self.tok_embeddings is None or self.output is None:
+            return
+        if self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Give every parameter and buffer its initial value (see the module docstring).
+
+        `buffer_device` is where the rope table is computed; by default where it already is.
+        """
+        device = buffer_device if buffer_device is not None else self.rope_cache.device
+        self.rope_cache = build_rope_cache(self.args, device)
+        tied = self.args.tie_word_embeddings
+        if self.tok_embeddings is not None and not tied:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for block in self.layers.values():
+            block.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        # With tied weights the stage holding either end inits the shared matrix the same way.
+        shared = self.output if self.output is not None else (self.tok_embeddings if tied else None)
+        if shared is not None:
+            _trunc_normal_(shared.weight, self.args.dim**-0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope_cache)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def tp_plan(self) -> TPPlan:
+        return TPPlan(
+            root={"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output"},
+            block={
+                "attention_norm": "sequence_parallel",
+                "attention": "block_input",
+                "attention.wq": "colwise",
+                "attention.wk": "colwise",
+                "attention.wv": "colwise",
+                "attention.wo": "rowwise",
+                "ffn_norm": "sequence_parallel",
+                "feed_forward": "block_input",
+                "feed_forward.w1": "colwise",
+                "feed_forward.w3": "colwise",
+                "feed_forward.w2": "rowwise",
+            },
+            divisible_by_tp={"n_heads": self.args.n_heads, "n_kv_heads": self.args.kv_heads},
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return llama_flops_per_token(self.args, seq_len)

@@ -1,0 +1,77 @@
+"""Activation checkpointing: recompute a block's activations in backward instead of storing them.
+
+Modes (the [activation_checkpoint] section):
+- `none`: store everything.
+- `full`: every block is checkpointed; only its input is kept.
+- `selective` with `selective_ac_option = "k"`: every k-th block is checkpointed fully.
+- `selective` with `"op"`: every block is checkpointed, but the outputs of the expensive ops
+  in `SAVE_OPS` (matmuls, attention kernels, TP's reduce-scatter/all-reduce) are kept, so
+  backward recomputes only the cheap element-wise work. All of them are kept, not every other
+  matmul as torchtitan does: that uses more memory than torchtitan's policy but needs no
+  per-forward counting, and the recomputation cost is the smallest possible.
+
+Checkpointed blocks are wrapped in place (`model.layers[name]` becomes a `CheckpointWrapper`);
+their `state_dict` keys are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan_core.config import ConfigError
+from titan_parallel.config import ActivationCheckpoint
+
+
+def _ops(*names: str) -> set:
+    ops = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:  # some kernels exist only in some builds
+            ops.add(getattr(packet, overload))
+    return ops
+
+
+SAVE_OPS = _ops(
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten.bmm.default",
+    "aten._scaled_mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.all_reduce.default",
+)
+"""Ops whose outputs selective `op` checkpointing keeps instead of recomputing."""
+
+
+def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context():
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
+    """Wrap the blocks of `model.layers` for activation checkpointing as `ac` says (in place)."""
+    problems = ac.validate()
+    if problems:
+        raise ConfigError(problems)
+    if ac.mode == "none":
+        return
+    layers: nn.ModuleDict = model.layers
+    every = 1
+    kwargs: dict = {"preserve_rng_state": ac.preserve_rng_state}
+    if ac.mode == "selective" and ac.selective_ac_option == "op":
+        kwargs["context_fn"] = _op_context
+    elif ac.mode == "selective":
+        every = int(ac.selective_ac_option)
+    for i, (name, block) in enumerate(list(layers.items())):
+        if (i + 1) % every == 0:
+            layers[name] = checkpoint_wrapper(block, **kwargs)

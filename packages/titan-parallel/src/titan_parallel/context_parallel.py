@@ -1,0 +1,330 @@
+"""Context parallel: shard the sequence across ranks and run attention as ring attention.
+
+Built on PyTorch's experimental API (`torch.distributed.tensor.experimental.context_parallel`):
+inside `cp_context`, the listed buffers (input tokens, labels, the RoPE table) are cut along
+their sequence dimension, each rank keeping its share, and every call to
+`torch.nn.functional.scaled_dot_product_attention` exchanges key/value shards with the other
+ranks of the CP mesh ("allgather": gather all K/V once; "alltoall": pass them round a ring).
+With load balancing the sequence is cut into 2 x cp chunks and rank r keeps chunks r and
+2cp-1-r (head and tail), so that causal attention costs every rank the same.
+
+PyTorch only routes its CUDA attention kernels (flash, memory-efficient, cuDNN) through ring
+attention. `enable_cpu_ring_attention` adds the CPU flash kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu` and its backward) to the same machinery,
+so CP runs, and is tested, on CPU with gloo. That reaches into torch internals, so it is
+pinned to the versions checked here (`SUPPORTED_TORCH`).
+
+Model requirements: attention calls `F.scaled_dot_product_attention` through the module
+attribute (the CP context patches it), with `is_causal=True` when load balancing, no
+attention mask and no dropout; positional tables are passed as buffers so they are sharded
+with the tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from titan_core.config import ConfigError
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "check_cp_seq_len",
+    "cp_context",
+    "cp_unshard",
+    "enable_cpu_ring_attention",
+]
+
+SUPPORTED_TORCH = ((2, 13), (2, 15))
+"""Oldest and newest torch (major, minor) whose context-parallel internals this module was
+checked against; the CPU ring-attention registration refuses to run outside them."""
+
+RotateMethod = Literal["allgather", "alltoall"]
+_SEQ_DIM = 2  # q, k, v are [batch, heads, seq, head_dim]
+_aten = torch.ops.aten
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _cp_internals() -> Any:
+    """torch's private ring-attention module, after checking that we know this version."""
+    version = _torch_version()
+    low, high = SUPPORTED_TORCH
+    if not low <= version <= high:
+        raise RuntimeError(
+            f"titan_parallel's context parallel was checked with torch {low[0]}.{low[1]} to"
+            f" {high[0]}.{high[1]}, not torch {torch.__version__}: it sets torch-internal ring-attention"
+            " options (load balancing, the CPU kernel) that change between releases.\n"
+            f"install torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}, or turn context parallel off"
+        )
+    for path in (
+        "torch.distributed.tensor.experimental._context_parallel._attention",
+        "torch.distributed.tensor.experimental._attention",
+    ):
+        try:
+            module = importlib.import_module(path)
+        except ImportError:
+            continue
+        if all(
+            hasattr(module, n) for n in ("custom_ops", "_templated_ring_attention", "_cp_options")
+        ):
+            return module
+    raise RuntimeError(
+        f"torch {torch.__version__} does not have the context-parallel internals titan_parallel expects"
+        " (custom_ops, _templated_ring_attention); please report this with your torch version"
+    )
+
+
+# ----------------------------------------------------------------------------- CPU ring attention
+
+
+def _ring_cpu_flash_forward(
+    internals: Any,
+    mesh: DeviceMesh,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    _check_cpu_args(attn_mask, dropout_p)
+    # Unlike the CUDA kernel, the CPU kernel returns only (output, logsumexp); the ring loop
+    # passes any further outputs through, so there are none to fake.
+    return internals._templated_ring_attention(
+        mesh.get_group(),
+        _SEQ_DIM,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        query=query,
+        key=key,
+        value=value,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
+
+
+def _ring_cpu_flash_backward(
+    internals: Any,
+    mesh: DeviceMesh,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, ...]:
+    _check_cpu_args(attn_mask, dropout_p)
+    return internals._templated_ring_attention_backward(
+        mesh.get_group(),
+        _SEQ_DIM,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=grad_out,
+        grad_out_name="grad_out",
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=logsumexp,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
+
+
+def _check_cpu_args(attn_mask: torch.Tensor | None, dropout_p: float) -> None:
+    if attn_mask is not None:
+        raise NotImplementedError(
+            "context parallel attention takes no attention mask; use is_causal=True"
+        )
+    if dropout_p:
+        raise NotImplementedError("context parallel attention on CPU does not support dropout")
+
+
+def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """DTensor handler for the CPU flash kernels: unwrap the sequence-sharded inputs, run the
+    ring, and wrap the outputs as sequence-sharded DTensors again.
+
+    torch's own handler goes through DTensor sharding propagation, which has no rule for the
+    CPU kernels; every tensor here is Shard(2) on the CP mesh, so the specs are written out.
+    """
+    from torch.distributed.tensor._dispatch import OpDispatcher
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    mesh: DeviceMesh | None = None
+
+    def local(x: object) -> object:
+        nonlocal mesh
+        if not isinstance(x, DTensor):
+            return x
+        if tuple(x.placements) != (Shard(_SEQ_DIM),):
+            raise NotImplementedError(
+                f"context parallel attention expects q/k/v sharded on the sequence, got {x.placements}"
+            )
+        mesh = x.device_mesh
+        return x._local_tensor
+
+    local_args = [local(a) for a in args]
+    local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    if mesh is None:
+        raise AssertionError("CPU ring attention handler called without DTensor inputs")
+    internals = _cp_internals()
+    run = (
+        _ring_cpu_flash_forward
+        if op_call == _aten._scaled_dot_product_flash_attention_for_cpu.default
+        else _ring_cpu_flash_backward
+    )
+    results = run(internals, mesh, *local_args, **local_kwargs)
+    placements = (Shard(_SEQ_DIM),)
+    specs = []
+    for res in results:
+        shape, stride = compute_global_tensor_info(res, mesh, placements)
+        meta = TensorMeta(torch.Size(shape), tuple(stride), res.dtype)
+        specs.append(DTensorSpec(mesh, placements, tensor_meta=meta))
+    return OpDispatcher.wrap(tuple(results), tuple(specs))
+
+
+def enable_cpu_ring_attention() -> None:
+    """Let context parallel use the CPU flash-attention kernel (idempotent).
+
+    Adds the CPU kernel and its backward to the table of ops torch swaps in while a context
+    parallel region is active, so they are handled exactly like the CUDA kernels there and
+    left alone outside it.
+    """
+    internals = _cp_internals()
+    for op in (
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    ):
+        internals.custom_ops[op] = _cpu_sdpa_handler
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_cp_seq_len(
+    seq_len: int, cp_degree: int, *, tp_degree: int = 1, load_balance: bool = True
+) -> None:
+    """Raise a config error unless `seq_len` splits evenly for CP (and TP's sequence parallel).
+
+    With load balancing each of the cp ranks holds 2 chunks, so seq_len must divide by
+    2 x cp; without it by cp. Sequence parallel also cuts each rank's share by tp.
+    """
+    if cp_degree <= 1 and tp_degree <= 1:
+        return
+    chunks = (2 * cp_degree if load_balance else cp_degree) if cp_degree > 1 else 1
+    divisor = chunks * tp_degree
+    if seq_len % divisor:
+        parts = []
+        if cp_degree > 1:
+            parts.append(
+                f"2 x context_parallel_degree {cp_degree} (load-balanced chunks)"
+                if load_balance
+                else f"context_parallel_degree {cp_degree}"
+            )
+        if tp_degree > 1:
+            parts.append(f"tensor_parallel_degree {tp_degree}")
+        below = seq_len - seq_len % divisor
+        raise ConfigError(
+            f"[training] seq_len = {seq_len} must divide by {' x '.join(parts)} = {divisor}\n"
+            f"use seq_len = {below or divisor} or {below + divisor}"
+        )
+
+
+# ----------------------------------------------------------------------------- the context
+
+
+@contextlib.contextmanager
+def cp_context(
+    cp_mesh: DeviceMesh,
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    *,
+    rotate_method: RotateMethod = "allgather",
+    load_balance: bool = True,
+) -> Iterator[None]:
+    """Run the enclosed forward and backward with the sequence sharded over `cp_mesh`.
+
+    `buffers` are cut in place along `seq_dims` (e.g. `[inputs, labels, model.freqs_cis]`
+    with `[1, 1, 0]`); they all need the same full sequence length. Buffers in
+    `no_restore_buffers` (usually the batch) keep their local shard afterwards; the others
+    (model buffers) get their full contents back. Wrap forward *and* backward: the backward
+    of ring attention communicates too.
+    """
+    if rotate_method not in ("allgather", "alltoall"):
+        raise ConfigError(
+            f"[parallelism] context_parallel_rotate_method = {rotate_method!r} is not valid\n"
+            "use 'allgather' or 'alltoall'"
+        )
+    if len(buffers) != len(seq_dims) or not buffers:
+        raise ValueError(
+            "cp_context needs one sequence dimension per buffer, and at least one buffer"
+        )
+    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"cp_context buffers have different sequence lengths {sorted(lengths)}; a positional table"
+            " must be sliced to the batch's sequence length before it is sharded"
+        )
+    check_cp_seq_len(lengths.pop(), cp_mesh.size(), load_balance=load_balance)
+
+    internals = _cp_internals()
+    from torch.distributed.tensor.experimental import context_parallel
+
+    if cp_mesh.device_type == "cpu":
+        enable_cpu_ring_attention()
+    options = internals._cp_options
+    saved = options.enable_load_balance, options.rotate_method
+    options.enable_load_balance = load_balance
+    options.rotate_method = internals._RotateMethod[
+        "ALL_GATHER" if rotate_method == "allgather" else "ALL_TO_ALL"
+    ]
+    try:
+        with context_parallel(
+            cp_mesh,
+            buffers=list(buffers),
+            buffer_seq_dims=list(seq_dims),
+            no_restore_buffers=set(no_restore_buffers or ()),
+        ):
+            yield
+    finally:
+        options.enable_load_balance, options.rotate_method = saved
+
+
+def cp_unshard(
+    cp_mesh: DeviceMesh,
+    tensors: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    *,
+    load_balance: bool = True,
+) -> list[torch.Tensor]:
+    """Gather sequence shards (e.g. logits made under `cp_context`) back into full sequences,
+    undoing the load-balancing order."""
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    internals = _cp_internals()
+    options = internals._cp_options
+    saved = options.enable_load_balance
+    options.enable_load_balance = load_balance
+    try:
+        return context_parallel_unshard(cp_mesh, list(tensors), list(seq_dims))
+    finally:
+        options.enable_load_balance = saved

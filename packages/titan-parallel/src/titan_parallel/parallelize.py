@@ -1,0 +1,84 @@
+"""`parallelize`: the one call that applies every parallelism to a model built on the meta device.
+
+Order matters and is fixed: tensor parallel first (it changes parameters into DTensors on the
+TP mesh), then activation checkpointing (wraps blocks), then compile (compiles the wrapped
+blocks), then FSDP/HSDP or DDP (shards what TP left, and keeps its hooks outside compiled code).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan_core.config import ConfigError
+from titan_core.parallel_dims import ParallelDims
+from titan_core.protocols import TPPlan
+from titan_parallel.activation_checkpoint import apply_ac
+from titan_parallel.compile import apply_compile
+from titan_parallel.config import (
+    ActivationCheckpoint,
+    Compile,
+    Parallelism,
+    check_parallelize_config,
+)
+from titan_parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_parallel.tensor_parallel import apply_tp
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    plan: TPPlan | None = None,
+    *,
+    parallelism: Parallelism | None = None,
+    ac: ActivationCheckpoint | None = None,
+    compile: Compile | None = None,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Apply TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to `model`, in place.
+
+    `model` follows `titan_core.protocols.ParallelizableModel` (blocks in `model.layers`) and
+    is usually on the meta device; afterwards call `model.to_empty(device=...)` and initialise
+    it (`init_weights_exact`, or `model.init_weights()`). `dims` must have its mesh built
+    (`dims.build_mesh(device_type)`). `plan` defaults to `model.tp_plan()` when TP is on.
+    `parallelism` supplies the switches (sequence/loss/async TP, FSDP resharding); its degrees
+    are not read, `dims` is. Invalid combinations raise `ConfigError` before anything changes.
+    Returns `model`.
+    """
+    parallelism = parallelism or Parallelism()
+    ac = ac or ActivationCheckpoint(mode="none")
+    compile = compile or Compile()
+    device_type = dims.world_mesh.device_type
+    problems = check_parallelize_config(
+        parallelism, ac, compile, device_type=device_type, cpu_offload=cpu_offload, dims=dims
+    )
+    if problems:
+        raise ConfigError(problems)
+
+    if dims.tp_enabled:
+        plan = plan if plan is not None else model.tp_plan()
+        apply_tp(
+            model,
+            dims.mesh("tp"),
+            plan,
+            sequence_parallel=parallelism.enable_sequence_parallel,
+            loss_parallel=parallelism.loss_parallel_enabled,
+            async_tp=parallelism.enable_async_tensor_parallel,
+        )
+    apply_ac(model, ac)
+    apply_compile(model, compile)
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            dims.mesh("fsdp"),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            pp_enabled=dims.pp_enabled,
+            cpu_offload=cpu_offload,
+        )
+    elif dims.dp_replicate_enabled:
+        apply_ddp(model, dims.mesh("dp_replicate"), compile_enabled=compile.compiles("model"))
+    return model

@@ -1,0 +1,368 @@
+"""Pipeline parallel: stages, schedules, and the loss and gradient norm across stages.
+
+`build_pipeline` splits a model that declares its blocks (see `pipeline_split`) into the
+stages this pipeline rank owns, wraps them in `torch.distributed.pipelining.PipelineStage`s
+and builds the schedule named in `SCHEDULES` (or one read from a CSV file). The caller then
+parallelises (TP, FSDP, ...) and initialises each `Pipeline.model_parts` entry in place, and
+runs a training step with `Pipeline.step(inputs, labels)`.
+
+Gradients: the loss on the last stage is divided by the number of microbatches, so the
+gradients summed over microbatches equal those of the mean loss over the whole local batch.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _Action,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from titan_core.config import ConfigError
+from titan_parallel.pipeline_split import (
+    build_stage_modules,
+    split_balanced,
+    split_by_layers,
+    validate_split_points,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Pipeline",
+    "broadcast_pipeline_loss",
+    "build_pipeline",
+    "pipeline_stage_ids",
+    "pp_total_norm",
+]
+
+StageStyle = Literal["single", "loop", "v"]
+
+SCHEDULES: dict[str, StageStyle] = {
+    "GPipe": "single",
+    "1F1B": "single",
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
+"""Schedule name -> how stages sit on ranks: one per rank ("single"), several per rank in
+round-robin order ("loop": rank r holds stages r, r+pp, ...) or two per rank in a V ("v":
+rank r holds stages r and 2*pp-1-r). Classes come from torch's `get_schedule_class`."""
+
+_ROUND_BASED = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+@dataclass
+class Pipeline:
+    """What `build_pipeline` returns for this rank."""
+
+    schedule: _PipelineSchedule
+    stages: list[PipelineStage]
+    model_parts: list[nn.Module]
+    """This rank's stage modules, in stage order; parallelise and initialise them in place."""
+    stage_ids: list[int]
+    num_stages: int
+    n_microbatches: int
+    has_first: bool
+    """This rank runs the first stage: it feeds the input tokens."""
+    has_last: bool
+    """This rank runs the last stage: it computes the loss."""
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward over all microbatches of one local batch.
+
+        Returns the mean loss over the local batch on a rank with the last stage and None
+        elsewhere (see `broadcast_pipeline_loss`). Gradients accumulate into the parameters.
+        """
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        self.schedule.step(
+            *args, target=labels if self.has_last else None, losses=losses, return_outputs=False
+        )
+        if losses is None:
+            return None
+        # Each microbatch loss was already divided by n_microbatches (see _scaled_loss).
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def pipeline_stage_ids(
+    style: StageStyle, pp_rank: int, pp_degree: int, stages_per_rank: int
+) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` runs, in increasing order."""
+    if style == "single":
+        return [pp_rank]
+    if style == "loop":
+        return [pp_rank + k * pp_degree for k in range(stages_per_rank)]
+    if style == "v":
+        return sorted([pp_rank, 2 * pp_degree - 1 - pp_rank])
+    raise ValueError(f"unknown stage style {style!r}")
+
+
+def _csv_stage_ids(csv_path: Path, pp_degree: int) -> tuple[list[list[int]], bool]:
+    """Stage indices per rank in a schedule CSV, and whether it holds communication actions."""
+    if not csv_path.is_file():
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_schedule_csv = {csv_path} does not exist"
+        )
+    with open(csv_path, newline="") as f:
+        rows = [[_Action.from_str(cell) for cell in row] for row in csv.reader(f)]
+    if len(rows) != pp_degree:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_schedule_csv = {csv_path} has {len(rows)} rows"
+            f" but pipeline_parallel_degree is {pp_degree}\nthe CSV needs one row per pipeline rank"
+        )
+    per_rank, has_comms = [], False
+    for row in rows:
+        ids = set()
+        for action in row:
+            if action is None:
+                continue
+            if action.is_compute_op and action.stage_index >= 0:
+                ids.add(action.stage_index)
+            elif not action.is_compute_op:
+                has_comms = True
+            for sub in action.sub_actions or ():
+                ids.add(sub.stage_index)
+        per_rank.append(sorted(ids))
+    return per_rank, has_comms
+
+
+def _check_microbatches(
+    schedule: str, n_microbatches: int, num_stages: int, pp_degree: int
+) -> None:
+    problems = []
+    style = SCHEDULES[schedule]
+    if style == "single" and num_stages != pp_degree:
+        problems.append(
+            f"[parallelism] pipeline_parallel_schedule = {schedule} runs one stage per rank, but the split"
+            f" has {num_stages} stages for pipeline_parallel_degree {pp_degree}\n"
+            "use a multi-stage schedule (Interleaved1F1B, ...) or split into pp stages"
+        )
+    if style == "loop" and num_stages % pp_degree:
+        problems.append(
+            f"[parallelism] {schedule} places stages round-robin on ranks, so the number of stages"
+            f" ({num_stages}) must be a multiple of pipeline_parallel_degree ({pp_degree})"
+        )
+    if style == "v" and num_stages != 2 * pp_degree:
+        problems.append(
+            f"[parallelism] pipeline_parallel_schedule = {schedule} needs exactly 2 stages per rank in a V"
+            f" ({2 * pp_degree} stages for pipeline_parallel_degree {pp_degree}), got {num_stages}\n"
+            "set pipeline_parallel_layers_per_stage so that the model splits into 2 x pp stages"
+        )
+    if schedule == "1F1B" and n_microbatches < num_stages:
+        problems.append(
+            f"[parallelism] 1F1B needs at least as many microbatches as stages: {n_microbatches} < {num_stages}\n"
+            "lower pipeline_parallel_microbatch_size or raise training.local_batch_size"
+        )
+    if style == "v" and n_microbatches < num_stages:
+        problems.append(
+            f"[parallelism] {schedule} needs at least as many microbatches as stages:"
+            f" {n_microbatches} < {num_stages}\n"
+            "lower pipeline_parallel_microbatch_size or raise training.local_batch_size"
+        )
+    if schedule in _ROUND_BASED:
+        rounds = max(1, n_microbatches // pp_degree)
+        if n_microbatches % rounds:
+            problems.append(
+                f"[parallelism] {schedule} runs microbatches in rounds of about pipeline_parallel_degree"
+                f" ({pp_degree}): {n_microbatches} microbatches do not split into {rounds} equal rounds\n"
+                f"use a number of microbatches below {pp_degree} or a multiple of it"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _scaled_loss(
+    loss_fn: Callable[..., torch.Tensor], n_microbatches: int
+) -> Callable[..., torch.Tensor]:
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / n_microbatches
+
+    return loss
+
+
+def build_pipeline(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    *,
+    schedule: str = "1F1B",
+    microbatch_size: int,
+    local_batch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    layers_per_stage: int | None = None,
+    stages_per_rank: int | None = None,
+    first_stage_less_layers: int = 1,
+    last_stage_less_layers: int = 1,
+    split_points: Sequence[Sequence[str]] | None = None,
+    balance: Literal["layers", "params", "flops"] = "layers",
+    seq_len: int | None = None,
+    csv_path: str | Path | None = None,
+    parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
+) -> Pipeline:
+    """Split `model` (built on the meta device) into pipeline stages and build the schedule.
+
+    Args:
+        pp_mesh: the pipeline mesh, `ParallelDims.mesh("pp")`.
+        schedule: a name from `SCHEDULES` (case-insensitive); ignored when `csv_path` is set.
+        microbatch_size, local_batch_size: the local batch is cut into
+            `local_batch_size // microbatch_size` microbatches.
+        loss_fn: `loss_fn(logits, labels)` returning the mean loss of one microbatch.
+        layers_per_stage: units (layers, with the embedding and output counted as
+            `first_stage_less_layers` / `last_stage_less_layers` layers) per stage; fixes the
+            number of stages. Otherwise the count is pp x `stages_per_rank` (default 1 for
+            single-stage schedules, 2 for the others).
+        split_points: explicit module names per stage, overriding the automatic split.
+        balance: "layers" splits by layer count; "params"/"flops" balance stage cost
+            automatically (FLOPs need `seq_len`).
+        csv_path: run the schedule written in this CSV (one row per rank, torch's action
+            syntax such as `0F1`, `1B0`, `0W0`); stage ownership is read from it.
+        parallelize_fn: applied to each stage module before its PipelineStage is made (it may
+            also be applied by the caller afterwards, in place).
+    """
+    pp_degree, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    if local_batch_size < 1 or microbatch_size < 1 or local_batch_size % microbatch_size:
+        raise ConfigError(
+            f"[training] local_batch_size = {local_batch_size} does not split into microbatches of"
+            f" [parallelism] pipeline_parallel_microbatch_size = {microbatch_size}\n"
+            "choose a microbatch size that divides the local batch size"
+        )
+    n_microbatches = local_batch_size // microbatch_size
+
+    csv_ids: list[list[int]] | None = None
+    wanted: int | None  # stages the schedule asks for, when the split does not fix it
+    if csv_path is not None:
+        csv_ids, has_comms = _csv_stage_ids(Path(csv_path), pp_degree)
+        if has_comms:
+            raise ConfigError(
+                f"[parallelism] pipeline_parallel_schedule_csv = {csv_path} contains communication"
+                " actions (SEND_F, RECV_B, ...)\nwrite compute actions only (F, B, I, W); the"
+                " runtime adds the sends and receives"
+            )
+        name, style = "custom CSV", None
+        wanted = max(max(ids, default=-1) for ids in csv_ids) + 1
+    else:
+        name = next((n for n in SCHEDULES if n.lower() == schedule.lower()), None)
+        if name is None:
+            raise ConfigError(
+                f"[parallelism] pipeline_parallel_schedule = {schedule!r} is not a schedule\n"
+                f"choose one of {', '.join(SCHEDULES)}, or give pipeline_parallel_schedule_csv"
+            )
+        style = SCHEDULES[name]
+        default_per_rank = 1 if style == "single" else 2
+        wanted = pp_degree * (stages_per_rank or default_per_rank)
+        if split_points is not None or layers_per_stage is not None:
+            wanted = None
+
+    if split_points is not None:
+        names_per_stage = validate_split_points(model, split_points)
+    elif layers_per_stage is not None or balance == "layers":
+        names_per_stage = split_by_layers(
+            model,
+            wanted,
+            layers_per_stage=layers_per_stage,
+            first_stage_less_layers=first_stage_less_layers,
+            last_stage_less_layers=last_stage_less_layers,
+        )
+    else:
+        names_per_stage = split_balanced(model, wanted or pp_degree, by=balance, seq_len=seq_len)
+    num_stages = len(names_per_stage)
+
+    if csv_ids is not None:
+        if num_stages != wanted:
+            raise ConfigError(
+                f"[parallelism] the schedule CSV uses {wanted} stages but the model split has"
+                f" {num_stages}\nmake the split (split points / layers per stage) match the CSV"
+            )
+        stage_ids = csv_ids[pp_rank]
+        if not stage_ids:
+            raise ConfigError(f"the schedule CSV gives pipeline rank {pp_rank} no stage to run")
+    else:
+        assert style is not None
+        _check_microbatches(name, n_microbatches, num_stages, pp_degree)
+        stage_ids = pipeline_stage_ids(style, pp_rank, pp_degree, num_stages // pp_degree)
+
+    parts = build_stage_modules(model, names_per_stage, stage_ids)
+    if parallelize_fn is not None:
+        parts = [parallelize_fn(part) or part for part in parts]
+    group = pp_mesh.get_group()
+    stages = [
+        PipelineStage(part, sid, num_stages, device, group=group)
+        for part, sid in zip(parts, stage_ids)
+    ]
+    scaled = _scaled_loss(loss_fn, n_microbatches)
+
+    if csv_path is not None:
+        sched: _PipelineSchedule = _PipelineScheduleRuntime(
+            stages, n_microbatches=n_microbatches, loss_fn=scaled, scale_grads=False
+        )
+        sched._load_csv(str(csv_path), format="compute_only")
+    elif issubclass(cls := get_schedule_class(name), PipelineScheduleSingle):
+        sched = cls(stages[0], n_microbatches=n_microbatches, loss_fn=scaled, scale_grads=False)
+    else:
+        sched = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled, scale_grads=False)
+
+    return Pipeline(
+        schedule=sched,
+        stages=stages,
+        model_parts=parts,
+        stage_ids=stage_ids,
+        num_stages=num_stages,
+        n_microbatches=n_microbatches,
+        has_first=0 in stage_ids,
+        has_last=num_stages - 1 in stage_ids,
+    )
+
+
+def broadcast_pipeline_loss(
+    loss: torch.Tensor | None, pp_mesh: DeviceMesh, device: torch.device
+) -> torch.Tensor:
+    """The step loss on every pipeline rank, for logging.
+
+    Only the rank holding the last stage has it; the others pass None. One all-reduce
+    (a sum where only one rank contributes) works for every stage layout, V-shaped included.
+    """
+    value = (
+        torch.zeros((), dtype=torch.float32, device=device)
+        if loss is None
+        else loss.detach().float().clone()
+    )
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    return value
+
+
+def pp_total_norm(
+    local_norm: torch.Tensor, pp_mesh: DeviceMesh | None, norm_type: float = 2.0
+) -> torch.Tensor:
+    """The gradient norm of the whole model from each pipeline rank's norm of its own stages.
+
+    `local_norm` is the norm over this rank's parameters (a DTensor under FSDP/TP is made
+    full first). For a p-norm the p-th powers add across ranks; for the infinity norm the
+    maximum is taken. Use the result in place of the local norm when clipping.
+    """
+    if hasattr(local_norm, "full_tensor"):
+        local_norm = local_norm.full_tensor()
+    if pp_mesh is None or pp_mesh.size() == 1:
+        return local_norm
+    group = pp_mesh.get_group()
+    norm = local_norm.detach().float().clone()
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    norm = norm**norm_type
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
+    return norm ** (1.0 / norm_type)

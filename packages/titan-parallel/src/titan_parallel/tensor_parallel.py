@@ -1,0 +1,165 @@
+"""Tensor parallel (with sequence parallel and loss parallel) from a model's `TPPlan`.
+
+A `TPPlan` names submodules and gives each a `TPStyle`; `apply_tp` turns each style into one
+of torch's `ParallelStyle`s. Activations are laid out [batch, sequence, ...]: under sequence
+parallel (SP), the tensors between blocks are split along dim 1 across the TP ranks, the norms
+run on those shards, and each block's attention/feed-forward gathers the full sequence first.
+
+Loss parallel keeps the output projection's logits split along the vocabulary and computes the
+cross entropy on the shards; run the loss and its backward inside `loss_context(...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from titan_core.config import ConfigError
+from titan_core.parallel_dims import ParallelDims
+from titan_core.protocols import TPPlan, TPStyle
+from titan_parallel.config import Parallelism
+
+
+class _GatherSequence(ParallelStyle):
+    """Turns a module's first positional input from sequence shards into the full sequence;
+    other inputs (masks, rotary tables, scalars) pass through unchanged, so the module may
+    take any number of them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_module: nn.Module, args: tuple) -> tuple:
+            x, *rest = args
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return (x.redistribute(placements=(Replicate(),)).to_local(), *rest)
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle | None:
+    """The torch ParallelStyle for one TPStyle, or None when the module stays as it is."""
+    seq = Shard(1) if sp else Replicate()
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if style == "sequence_parallel":
+        return SequenceParallel() if sp else None
+    if style == "block_input":
+        return _GatherSequence() if sp else None
+    if style == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if style == "output":
+        return ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+            use_local_output=not loss_parallel_on,
+        )
+    raise ValueError(
+        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input, embedding, output"
+    )
+
+
+def _has_path(module: nn.Module, name: str) -> bool:
+    for part in name.split("."):
+        if module is None:  # removed by pipeline parallel: present in the model's design
+            return True
+        if part not in module._modules:
+            return False
+        module = module._modules[part]
+    return True
+
+
+def _submodule(module: nn.Module, name: str) -> nn.Module | None:
+    for part in name.split("."):
+        module = module._modules.get(part) if module is not None else None
+    return module
+
+
+def check_tp_plan(model: nn.Module, plan: TPPlan, tp_degree: int) -> list[str]:
+    """Problems that stop `plan` from applying to `model` at this TP degree."""
+    problems = [
+        f"{name} = {size} does not divide by tensor_parallel_degree {tp_degree}\n"
+        f"choose a tensor_parallel_degree that divides {name}"
+        for name, size in plan.divisible_by_tp.items()
+        if size % tp_degree
+    ]
+    missing = [n for n in plan.root if not _has_path(model, n)]
+    layers = getattr(model, "layers", None)
+    if plan.block and layers is not None:
+        for block_name, block in layers.items():
+            missing += [f"layers.{block_name}.{n}" for n in plan.block if not _has_path(block, n)]
+    if missing:
+        problems.append(
+            f"the tensor-parallel plan names modules the model does not have: {', '.join(missing[:5])}"
+            + (" ..." if len(missing) > 5 else "")
+            + "\nfix the model's tp_plan() to use module names relative to the root or to a block"
+        )
+    return problems
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TPPlan,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    async_tp: bool = False,
+) -> None:
+    """Split `model`'s modules over `tp_mesh` as `plan` says (in place, before FSDP).
+
+    Root entries whose module was removed (set to None by pipeline parallel) are skipped.
+    `async_tp` turns on symmetric-memory collectives for the compiler's async-TP pass (CUDA
+    only; the blocks must also be compiled).
+    """
+    degree = tp_mesh.size()
+    problems = check_tp_plan(model, plan, degree)
+    if problems:
+        raise ConfigError(problems)
+    if async_tp and tp_mesh.device_type != "cuda":
+        raise ConfigError(
+            f"async tensor parallel needs CUDA, but the mesh is on {tp_mesh.device_type}\n"
+            "turn off enable_async_tensor_parallel"
+        )
+    styles = dict(sp=sequence_parallel, loss_parallel_on=loss_parallel)
+    root = {n: s for n, st in plan.root.items() if (s := _style(st, **styles)) is not None}
+    root = {n: s for n, s in root.items() if _submodule(model, n) is not None}
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    block_plan = {n: s for n, st in plan.block.items() if (s := _style(st, **styles)) is not None}
+    for block in getattr(model, "layers", nn.ModuleDict()).values():
+        parallelize_module(block, tp_mesh, block_plan)
+    if async_tp:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def loss_context(
+    dims: ParallelDims, parallelism: Parallelism | None = None
+) -> contextlib.AbstractContextManager:
+    """The context to compute the loss and run its backward in: torch's `loss_parallel()`
+    when TP is on and loss parallel is not disabled, else a no-op.
+
+        with loss_context(dims, cfg.parallelism):
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+            loss.backward()
+    """
+    parallelism = parallelism or Parallelism()
+    if dims.tp_enabled and not parallelism.disable_loss_parallel:
+        return loss_parallel()
+    return contextlib.nullcontext()

@@ -1,0 +1,222 @@
+"""Runs training cases on a real gloo process group, started once per world size.
+
+`run_cases(world_size, cases)` spawns the ranks, each of which loops over `cases`, and returns
+rank 0's results: per case the global losses, gradient norms and the final full parameters
+(or the error text). `reference(case)` runs the same steps in this one process, unsharded.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from parallel_testmodel import TinyArgs, TinyTransformer, cross_entropy
+
+SEED = 1234
+STEPS = 3
+BATCH, SEQ = 4, 8
+LR = 1e-2
+MAX_NORM = 1.0  # small enough that clipping engages on the first steps
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    world: int
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    tp: int = 1
+    sp: bool = True
+    loss_parallel: bool = True
+    reshard: str = "default"
+    cpu_offload: bool = False
+    ac: str = "none"
+    ac_option: str = "op"
+    compile: bool = False
+    compile_backend: str = "aot_eager"
+    param_dtype: str = "float32"
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, TinyArgs().vocab, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def state_vector(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters by name (wrapper prefixes removed), identical on every rank."""
+    return {k: _full(v).detach().float().clone() for k, v in model.state_dict().items()}
+
+
+def reference(case: Case) -> dict:
+    """The same training steps, unsharded, in this one process."""
+    model = TinyTransformer()
+    torch.manual_seed(SEED)
+    model.init_weights()
+    initial = state_vector(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = batch()
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "initial": initial, "params": state_vector(model)}
+
+
+def run_case(case: Case) -> dict:
+    from titan_parallel import (
+        ActivationCheckpoint,
+        Compile,
+        Parallelism,
+        clip_grad_norm_,
+        dist_mean,
+        init_weights_exact,
+        loss_context,
+        parallelize,
+    )
+
+    cfg = Parallelism(
+        data_parallel_shard_degree=case.dp_shard,
+        data_parallel_replicate_degree=case.dp_replicate,
+        tensor_parallel_degree=case.tp,
+        enable_sequence_parallel=case.sp,
+        disable_loss_parallel=not case.loss_parallel,
+        fsdp_reshard_after_forward=case.reshard,
+    )
+    dims = cfg.build_parallel_dims(dist.get_world_size())
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = TinyTransformer()
+    parallelize(
+        model,
+        dims,
+        parallelism=cfg,
+        ac=ActivationCheckpoint(mode=case.ac, selective_ac_option=case.ac_option),
+        compile=Compile(enable=case.compile, backend=case.compile_backend),
+        param_dtype=getattr(torch, case.param_dtype),
+        cpu_offload=case.cpu_offload,
+    )
+    model.to_empty(device="cpu")
+    init_weights_exact(model, SEED)
+    initial = state_vector(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = batch()
+    dp_mesh = dims.mesh("dp")
+    if dp_mesh is not None:  # each data-parallel rank takes its slice of the global batch
+        n, r = dp_mesh.size(), dp_mesh.get_local_rank()
+        x, y = x.chunk(n)[r], y.chunk(n)[r]
+    losses, norms = [], []
+    t0 = time.perf_counter()
+    for _ in range(STEPS):
+        with loss_context(dims, cfg):
+            loss = cross_entropy(model(x), y)
+            loss.backward()
+        norms.append(clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(dist_mean(loss, dp_mesh))
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "initial": initial,
+        "params": state_vector(model),
+        "seconds": time.perf_counter() - t0,
+    }
+    if case.extra.get("memory"):
+        out["memory"] = local_bytes(model, opt)
+    return out
+
+
+def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state (after a step, so
+    the state exists; gradients are recreated by one more backward)."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    x, y = batch()
+    cross_entropy(model(x[:1]), y[:1]).backward()
+    params = sum(nbytes(p) for p in model.parameters())
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    states = sum(
+        nbytes(v)
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    return {"params": params, "grads": grads, "optim": states}
+
+
+def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_file: str) -> None:
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import titan_parallel  # noqa: F401  (timed on its own: it dominates start-up)
+
+    results = {"_startup_seconds": time.perf_counter() - t0}
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            results[case.name] = run_case(case)
+            results[case.name]["total_seconds"] = time.perf_counter() - t0
+        except Exception:  # recorded and compared by the test, which shows the traceback
+            results[case.name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    if rank == 0:
+        torch.save(results, out_file)
+    dist.destroy_process_group()
+
+
+class Launched:
+    """Ranks started by `start_cases`, running in the background until `results()`."""
+
+    def __init__(self, world: int, cases: list[Case], timeout: float):
+        self._tmp = tempfile.TemporaryDirectory()
+        self.world, self.out_file = world, os.path.join(self._tmp.name, "results.pt")
+        self.deadline = time.monotonic() + timeout
+        self.ctx = mp.start_processes(
+            _worker,
+            args=(world, os.path.join(self._tmp.name, "init"), cases, self.out_file),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+
+    def results(self) -> dict:
+        try:
+            while not self.ctx.join(timeout=2):
+                if time.monotonic() > self.deadline:
+                    for p in self.ctx.processes:
+                        p.kill()
+                    raise TimeoutError(f"the {self.world}-rank cases did not finish in time")
+            return torch.load(self.out_file, weights_only=False)
+        finally:
+            self._tmp.cleanup()
+
+
+def start_cases(world: int, cases: list[Case], timeout: float = 600.0) -> Launched:
+    """Start `world` ranks that run `cases`; collect with `.results()` (rank 0's results)."""
+    return Launched(world, cases, timeout)
+
+
+def run_cases(world: int, cases: list[Case], timeout: float = 600.0) -> dict:
+    return start_cases(world, cases, timeout).results()
