@@ -41,7 +41,11 @@ def check_config(config: JobConfig, world_size: int) -> None:
         spec = resolve(plugins.MODELS, config.model.name)
         if config.model.flavor not in spec.flavors:
             known = ", ".join(spec.flavors)
-            close = difflib.get_close_matches(config.model.flavor, list(spec.flavors), n=1)
+            by_lower = {name.lower(): name for name in spec.flavors}
+            close = [
+                by_lower[c]
+                for c in difflib.get_close_matches(config.model.flavor.lower(), list(by_lower), n=1)
+            ]
             hint = f"\ndid you mean {close[0]}?" if close else ""
             problems.append(
                 f"[model] flavor = {config.model.flavor!r} is not a flavor of {config.model.name}\nknown: {known}{hint}"
