@@ -35,6 +35,10 @@ PACKAGES = {
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
 
+# Importing torch is several seconds faster with cached bytecode; some environments switch the
+# cache off, which every test process would then pay again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
     "lint",

@@ -105,6 +105,11 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.append(
             f"[validation] seq_len = {config.validation.seq_len} must divide by {dims.seq_len_divisor}"
         )
+    if config.validation.enable and dims.pp_enabled:
+        problems.append(
+            "[validation] enable = true does not work with pipeline parallel yet\n"
+            "turn validation off, or evaluate a checkpoint in a separate non-pipelined run"
+        )
     if problems:
         raise ConfigError(problems)
 

@@ -1,6 +1,7 @@
-"""How the trainer uses titan-parallel: parallelize and initialise the model, run one
-microbatch forward and backward (with loss parallel, context parallel, pipeline schedules or
-autocast as the layout needs), clip gradients over every mesh dimension, reduce the loss."""
+"""How the trainer uses titan-parallel: split into pipeline stages, parallelize and initialise,
+run one microbatch forward and backward (with loss parallel, context parallel, a pipeline
+schedule or autocast as the layout needs), clip gradients over every mesh dimension, reduce
+the loss."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import titan_parallel as tp_lib
 from titan_core import ParallelDims, get_logger
@@ -28,50 +30,98 @@ class ParallelRuntime:
     seed: int
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     flops_per_token: float = 0.0
-    pipeline: object | None = field(default=None, repr=False)
+    pipeline: tp_lib.Pipeline | None = field(default=None, repr=False)
+    autocast: torch.dtype | None = None
+    _scale: float = 1.0
 
     # ------------------------------------------------------------------ build
     def parallelize_and_init(self, model: nn.Module) -> list[nn.Module]:
+        """Pipeline split (if PP), then TP -> AC -> compile -> FSDP on each part, then
+        materialise and initialise. Returns this rank's model parts."""
         cfg = self.config
+        p = cfg.parallelism
         self.flops_per_token = model.flops_per_token(cfg.training.seq_len)
         fsdp_mp = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
-        kwargs = dict(
-            parallelism=cfg.parallelism,
-            ac=cfg.activation_checkpoint,
-            compile=cfg.compile,
-            param_dtype=self.dtype if fsdp_mp else torch.float32,
-            reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
-            cpu_offload=cfg.training.enable_cpu_offload,
-        )
-        parts = [tp_lib.parallelize(model, self.dims, model.tp_plan(), **kwargs)]
+        if self.dims.pp_enabled:
+            self.pipeline = tp_lib.build_pipeline(
+                model,
+                self.dims.mesh("pp"),
+                schedule=p.pipeline_parallel_schedule,
+                microbatch_size=p.pipeline_parallel_microbatch_size,
+                local_batch_size=cfg.training.local_batch_size,
+                loss_fn=self._scaled_loss,
+                device=self.device,
+                layers_per_stage=p.pipeline_parallel_layers_per_stage,
+                first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+                last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+                split_points=p.module_fqns_per_model_part,
+                csv_path=p.pipeline_parallel_schedule_csv or None,
+                seq_len=cfg.training.seq_len,
+            )
+            parts = self.pipeline.model_parts
+        else:
+            parts = [model]
         for part in parts:
+            tp_lib.parallelize(
+                part,
+                self.dims,
+                part.tp_plan() if self.dims.tp_enabled else None,
+                parallelism=p,
+                ac=cfg.activation_checkpoint,
+                compile=cfg.compile,
+                param_dtype=self.dtype if fsdp_mp else torch.float32,
+                reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
+                cpu_offload=cfg.training.enable_cpu_offload,
+            )
             part.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
-            tp_lib.init_weights_exact(part, self.seed)
+            # Exact: every layout starts from the weights a single process would draw. Pipeline
+            # stages draw only their own modules; a seed checkpoint makes them match too.
+            tp_lib.init_weights_exact(part, self.seed, buffer_device=self.device)
             part.train()
         self.autocast = None if (fsdp_mp or self.dtype == torch.float32) else self.dtype
+        if self.dims.cp_enabled:
+            tp_lib.enable_cpu_ring_attention()
         return parts
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) * self._scale
 
     # ------------------------------------------------------------------ steps
     def forward_backward(
         self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Loss of one microbatch (detached, times `scale`), gradients accumulated."""
-        (model,) = parts
-        with self._contexts():
-            logits = model(inputs)
-            loss = self.loss_fn(logits, labels) * scale
+        """Loss of one microbatch times `scale` (detached); gradients accumulate."""
+        self._scale = scale
+        with self._contexts(parts, inputs, labels):
+            if self.pipeline is not None:
+                loss = self.pipeline.step(inputs, labels)
+                return tp_lib.broadcast_pipeline_loss(loss, self.dims.mesh("pp"), self.device)
+            (model,) = parts
+            loss = self._scaled_loss(model(inputs), labels)
             loss.backward()
-        return loss.detach()
+        return _plain(loss.detach())
 
     def eval_loss(
         self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
         (model,) = parts
-        with self._contexts():
-            return self.loss_fn(model(inputs), labels).detach()
+        with torch.no_grad(), self._contexts(parts, inputs, labels):
+            return _plain(self.loss_fn(model(inputs), labels).detach())
 
-    def _contexts(self) -> contextlib.ExitStack:
+    def _contexts(self, parts, inputs, labels) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        if self.dims.cp_enabled:
+            # Shard the batch and each part's rope table along the sequence for this step.
+            ropes = [part.rope_cache for part in parts]
+            stack.enter_context(
+                tp_lib.cp_context(
+                    self.dims.mesh("cp"),
+                    [inputs, labels, *ropes],
+                    [1, 1, *([0] * len(ropes))],
+                    {inputs, labels},
+                    rotate_method=self.config.parallelism.context_parallel_rotate_method,
+                )
+            )
         stack.enter_context(tp_lib.loss_context(self.dims, self.config.parallelism))
         if self.autocast is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
@@ -79,12 +129,18 @@ class ParallelRuntime:
 
     def clip_grad_norm(self, parts: list[nn.Module], max_norm: float) -> float:
         params = [p for part in parts for p in part.parameters()]
-        norm = tp_lib.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = tp_lib.clip_grad_norm_(
+            params, max_norm if max_norm > 0 else float("inf"), pp_mesh=self.dims.mesh("pp")
+        )
         return float(norm)
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
-        mesh = self.dims.mesh("dp_cp")
-        return float(loss) if mesh is None else float(tp_lib.dist_mean(loss, mesh))
+        return tp_lib.dist_mean(loss, self.dims.mesh("dp_cp"))
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """Loss parallel returns a replicated DTensor; the step's sum wants a plain tensor."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def build_parallel_runtime(config, dims, device, dtype, seed, loss_fn) -> ParallelRuntime:
