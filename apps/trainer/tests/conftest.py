@@ -63,3 +63,43 @@ def debug_args(tmp_path) -> list[str]:
         "--metrics.log_freq",
         "1",
     ]
+
+
+STEPS = 4
+# Every document is the same 127 bytes: with BOS and EOS it fills exactly one 129-token window
+# (seq_len 128 + 1), so every sample on every rank is identical. Sharding the data across
+# data-parallel ranks then cannot change a batch, and the runs can be compared step by step.
+TEXT = (
+    "The quick brown fox jumps over the lazy dog while seventeen wizards quietly boxed "
+    "jackdaws; pack my box with five dozen jugs, now!"
+)[:127]
+
+
+@pytest.fixture(scope="module")
+def same_doc_dataset(tmp_path_factory):
+    import json
+
+    assert len(TEXT.encode()) == 127
+    path = tmp_path_factory.mktemp("data") / "same.jsonl"
+    path.write_text("".join(json.dumps({"text": TEXT}) + "\n" for _ in range(256)))
+    return str(path)
+
+
+def fp32_args(debug_args, dataset):
+    return [
+        *debug_args,
+        "--training.dataset",
+        dataset,
+        "--training.steps",
+        str(STEPS),
+        "--training.mixed_precision_param",
+        "float32",
+        "--training.local_batch_size",
+        "4",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.peak_tflops",
+        "1",
+    ]

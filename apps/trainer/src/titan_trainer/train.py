@@ -207,7 +207,7 @@ def _train(config: JobConfig, info) -> TrainResult:
         return TrainResult(0, 0, [], False)
     if checkpointer is not None:
         loaded = checkpointer.load(config.checkpoint.load_step)
-        if loaded is not None:
+        if loaded:  # step 0 is a seed checkpoint: nothing to resume
             log.info("resumed at step %d (%s tokens seen)", state.step, f"{state.tokens_seen:,}")
 
     accum = _accumulation_steps(config, dims)
@@ -281,7 +281,7 @@ def _train(config: JobConfig, info) -> TrainResult:
                 if stop.requested:
                     log.warning("SIGTERM: saving a checkpoint at step %d and stopping", state.step)
                     stopped_early = True
-                if checkpointer is not None:
+                if checkpointer is not None and config.checkpoint.enable:
                     checkpointer.save(state.step, last_step=last or stopped_early)
                 if stopped_early:
                     break

@@ -30,6 +30,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
     get_schedule_class,
 )
+from torch.distributed.tensor import DTensor
 
 from titan_core.config import ConfigError
 from titan_parallel.pipeline_split import (
@@ -96,7 +97,13 @@ class Pipeline:
         if losses is None:
             return None
         # Each microbatch loss was already divided by n_microbatches (see _scaled_loss).
-        return torch.stack([loss.detach() for loss in losses]).sum()
+        # Under loss parallel (TP) each loss is a replicated DTensor: sum plain tensors.
+        return torch.stack(
+            [
+                (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+                for loss in losses
+            ]
+        ).sum()
 
 
 def pipeline_stage_ids(
