@@ -196,7 +196,16 @@ def _train(config: JobConfig, info) -> TrainResult:
     state = TrainState()
 
     checkpointer = _build_checkpointer(
-        config, dims, model_parts, optimizer, lr_scheduler, loader, state, resolved_toml, dp_rank
+        config,
+        dims,
+        model_parts,
+        optimizer,
+        lr_scheduler,
+        loader,
+        state,
+        resolved_toml,
+        dp_rank,
+        tokenizer.vocab_size,
     )
     if checkpointer is not None and config.checkpoint.create_seed_checkpoint:
         checkpointer.save(0, last_step=True)
@@ -385,12 +394,26 @@ def _section(config: JobConfig, dotted: str):
 
 
 def _build_checkpointer(
-    config, dims, model_parts, optimizer, lr_scheduler, loader, state, resolved_toml, dp_rank
+    config,
+    dims,
+    model_parts,
+    optimizer,
+    lr_scheduler,
+    loader,
+    state,
+    resolved_toml,
+    dp_rank,
+    vocab_size,
 ):
     ckpt = config.checkpoint
     if not (ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path):
         return None
     factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
+    # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names.
+    spec = resolve(plugins.MODELS, config.model.name)
+    hf_adapter = (
+        spec.hf_adapter(model_args_for(spec, config, vocab_size)) if spec.hf_adapter else None
+    )
     return factory(
         ckpt,
         states={
@@ -404,4 +427,5 @@ def _build_checkpointer(
         dims=dims,
         config_toml=resolved_toml,
         dp_rank=dp_rank,
+        hf_adapter=hf_adapter,
     )
