@@ -482,11 +482,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def _spawn(world: int, tmp: Path) -> dict[str, list[dict]]:
-    # fork, not spawn: the children inherit the imports above instead of paying seconds each
-    # for torch.distributed again; each child uses one intra-op thread (see _worker), which
-    # keeps OpenMP out of the parent-state-after-fork trouble.
+    # forkserver: one clean server process imports torch once and forks the ranks, so they
+    # skip most of the import cost but never inherit this (multi-threaded) process's state;
+    # a plain fork after other distributed tests ran in this process can deadlock.
+    mp.set_forkserver_preload(
+        ["torch.distributed.pipelining", "torch.distributed.fsdp", "titan_parallel"]
+    )
     mp.start_processes(
-        _worker, args=(world, str(tmp / "init"), str(tmp)), nprocs=world, start_method="fork"
+        _worker, args=(world, str(tmp / "init"), str(tmp)), nprocs=world, start_method="forkserver"
     )
     per_rank = [json.loads((tmp / f"results{r}.json").read_text()) for r in range(world)]
     return {name: [ranks[name] for ranks in per_rank] for name in per_rank[0]}
