@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.multiprocessing.spawn import ProcessException
 
 from titan_core import ParallelDims
 from titan_parallel.context_parallel import cp_context, cp_unshard
@@ -455,6 +456,15 @@ def cases(world: int) -> dict[str, tuple]:
     return out
 
 
+def _write(out_dir: str, rank: int, results: dict) -> None:
+    # One file per rank rather than an object all-gather: the parent must be able to read
+    # what every rank finished even when another rank died mid-collective.
+    path = os.path.join(out_dir, f"results{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(path + ".tmp", path)
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -465,20 +475,25 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         timeout=timedelta(seconds=120),
     )
     ctx = {"rank": rank, "world": world, "tmp": out_dir}
-    results = {}
+    results: dict = {}
     for name, (fn, args, kwargs) in cases(world).items():
         start = time.perf_counter()
         try:
             report = fn(ctx, *args, **kwargs)
         except Exception:
-            report = {"exception": traceback.format_exc()}
+            # The other ranks may now be waiting in a collective this rank will never join;
+            # going on would misalign every later case, so record and stop this process.
+            # The parent sees the non-zero exit and stops the other ranks at once.
+            results[name] = {"exception": traceback.format_exc()}
+            _write(out_dir, rank, results)
+            raise
         report["seconds"] = time.perf_counter() - start
         results[name] = report
-    # One file per rank rather than an object all-gather: object collectives need numpy, which
-    # an isolated install of titan-parallel (torch + titan-core) does not have.
-    with open(os.path.join(out_dir, f"results{rank}.json"), "w") as f:
-        json.dump(results, f)
+        _write(out_dir, rank, results)
     dist.destroy_process_group()
+
+
+SPAWN_DEADLINE_S = 300.0
 
 
 def _spawn(world: int, tmp: Path) -> dict[str, list[dict]]:
@@ -488,11 +503,32 @@ def _spawn(world: int, tmp: Path) -> dict[str, list[dict]]:
     mp.set_forkserver_preload(
         ["torch.distributed.pipelining", "torch.distributed.fsdp", "titan_parallel"]
     )
-    mp.start_processes(
-        _worker, args=(world, str(tmp / "init"), str(tmp)), nprocs=world, start_method="forkserver"
+    procs = mp.start_processes(
+        _worker,
+        args=(world, str(tmp / "init"), str(tmp)),
+        nprocs=world,
+        join=False,
+        start_method="forkserver",
     )
-    per_rank = [json.loads((tmp / f"results{r}.json").read_text()) for r in range(world)]
-    return {name: [ranks[name] for ranks in per_rank] for name in per_rank[0]}
+    deadline, stopped = time.monotonic() + SPAWN_DEADLINE_S, ""
+    try:
+        while not procs.join(timeout=2):
+            if time.monotonic() > deadline:
+                stopped = f"the {world} ranks did not finish within {SPAWN_DEADLINE_S:.0f} s"
+                break
+    except ProcessException as exc:  # a rank raised; join() has stopped the others
+        stopped = f"rank {exc.error_index} raised (its own report has the traceback)"
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.kill()
+    per_rank = []
+    for r in range(world):
+        path = tmp / f"results{r}.json"
+        per_rank.append(json.loads(path.read_text()) if path.exists() else {})
+    # Every case gets one report per rank; one a rank never finished says why.
+    missing = {"exception": f"case not finished: {stopped or 'the rank exited early'}"}
+    return {name: [ranks.get(name, missing) for ranks in per_rank] for name in cases(world)}
 
 
 @pytest.fixture(scope="module")
