@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ DEBUG_TOML = TRAINER / "configs" / "debug_model.toml"
 
 
 def run_cli(
-    args: list[str], nproc: int = 1, timeout: float = 900, env_extra: dict | None = None
+    args: list[str], nproc: int = 1, timeout: float = 600, env_extra: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run the trainer the way a user does: `python -m titan_trainer` or torchrun for several ranks."""
     env = {
@@ -34,7 +35,23 @@ def run_cli(
             "titan_trainer",
             *args,
         ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    # Its own session, so that a timeout (or pytest-timeout) stops torchrun and every rank
+    # it started: a rank left behind would hold the CPU for the rest of the test run.
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def parse_losses(stdout: str) -> dict[int, float]:

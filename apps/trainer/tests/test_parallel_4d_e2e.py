@@ -88,7 +88,7 @@ def test_three_way_layout_on_8_processes_matches_one_process(
     result = run_cli(
         [*_args(tmp_path, same_doc_dataset, seed_checkpoint), *LAYOUTS[layout]],
         nproc=8,
-        timeout=1200,
+        timeout=800,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = parse_losses(result.stdout)

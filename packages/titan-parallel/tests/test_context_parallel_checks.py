@@ -97,3 +97,17 @@ def test_unknown_rotate_method_is_a_config_error():
     context = cp.cp_context(None, [torch.zeros(1, 8)], [1], rotate_method="ring")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="context_parallel_rotate_method = 'ring' is not valid"):
         context.__enter__()
+
+
+def test_buffers_that_are_views_of_one_window_are_refused():
+    # The trainer's loader yields inputs and labels as slices of one packed window; sharding
+    # them in place would overwrite one with the other. Found by the 8-rank trainer test.
+    window = torch.arange(2 * 9).view(2, 9)
+    inputs, labels = window[:, :-1], window[:, 1:]
+    context = cp.cp_context(None, [inputs.contiguous(), labels], [1, 1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"buffer 1 \(shape \(2, 8\)\) is not contiguous"):
+        context.__enter__()
+    inputs, labels = window.view(-1)[:8].view(1, 8), window.view(-1)[8:16].view(1, 8)
+    context = cp.cp_context(None, [inputs, labels], [1, 1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="buffers 0 and 1 share one storage"):
+        context.__enter__()

@@ -92,6 +92,7 @@ class ParallelRuntime:
     ) -> torch.Tensor:
         """Loss of one microbatch times `scale` (detached); gradients accumulate."""
         self._scale = scale
+        inputs, labels = self._own_batch(inputs, labels)
         with self._contexts(parts, inputs, labels):
             if self.pipeline is not None:
                 loss = self.pipeline.step(inputs, labels)
@@ -105,8 +106,16 @@ class ParallelRuntime:
         self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
         (model,) = parts
+        inputs, labels = self._own_batch(inputs, labels)
         with torch.no_grad(), self._contexts(parts, inputs, labels):
             return _plain(self.loss_fn(model(inputs), labels).detach())
+
+    def _own_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # CP shards the batch in place; the loader's inputs and labels are two views of one
+        # packed window, so each needs memory of its own first.
+        if not self.dims.cp_enabled:
+            return inputs, labels
+        return tuple(t.clone(memory_format=torch.contiguous_format) for t in (inputs, labels))
 
     def _contexts(self, parts, inputs, labels) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()

@@ -264,7 +264,9 @@ def cp_context(
     """Run the enclosed forward and backward with the sequence sharded over `cp_mesh`.
 
     `buffers` are cut in place along `seq_dims` (e.g. `[inputs, labels, model.freqs_cis]`
-    with `[1, 1, 0]`); they all need the same full sequence length. Buffers in
+    with `[1, 1, 0]`); they all need the same full sequence length, and each must be
+    contiguous with memory of its own (inputs and labels sliced from one packed window are
+    views of one storage: clone them). Buffers in
     `no_restore_buffers` (usually the batch) keep their local shard afterwards; the others
     (model buffers) get their full contents back. Wrap forward *and* backward: the backward
     of ring attention communicates too.
@@ -278,6 +280,7 @@ def cp_context(
         raise ValueError(
             "cp_context needs one sequence dimension per buffer, and at least one buffer"
         )
+    _check_buffers_own_their_memory(buffers)
     lengths = {b.shape[d] for b, d in zip(buffers, seq_dims)}
     if len(lengths) != 1:
         raise ValueError(
@@ -307,6 +310,28 @@ def cp_context(
             yield
     finally:
         options.enable_load_balance, options.rotate_method = saved
+
+
+def _check_buffers_own_their_memory(buffers: Sequence[torch.Tensor]) -> None:
+    # Sharding resizes each buffer in place and writes its shard into the buffer's storage
+    # from the start. Two views of one storage (inputs = window[:, :-1], labels =
+    # window[:, 1:]) would overwrite each other, and a non-contiguous view would be written
+    # in the wrong layout: both silently train on corrupted tokens, so refuse them.
+    seen: dict[int, int] = {}
+    for i, b in enumerate(buffers):
+        if not b.is_contiguous():
+            raise ValueError(
+                f"cp_context buffer {i} (shape {tuple(b.shape)}) is not contiguous; it is sharded"
+                " in place, so pass a contiguous copy (`t.contiguous()` or `t.clone()`)"
+            )
+        ptr = b.untyped_storage().data_ptr()
+        if b.numel() and ptr in seen:
+            raise ValueError(
+                f"cp_context buffers {seen[ptr]} and {i} share one storage (views of one tensor,"
+                " e.g. inputs and labels sliced from one window); sharding one in place would"
+                " corrupt the other, so pass `t.clone()` of each"
+            )
+        seen[ptr] = i
 
 
 def cp_unshard(
