@@ -266,9 +266,8 @@ def cp_context(
     `buffers` are cut in place along `seq_dims` (e.g. `[inputs, labels, model.freqs_cis]`
     with `[1, 1, 0]`); they all need the same full sequence length, and each must be
     contiguous with memory of its own (inputs and labels sliced from one packed window are
-    views of one storage: clone them). Buffers in
-    `no_restore_buffers` (usually the batch) keep their local shard afterwards; the others
-    (model buffers) get their full contents back. Wrap forward *and* backward: the backward
+    views of one storage: clone them). Buffers in `no_restore_buffers` (usually the batch)
+    keep their local shard afterwards; the others (model buffers) get their full contents back. Wrap forward *and* backward: the backward
     of ring attention communicates too.
     """
     if rotate_method not in ("allgather", "alltoall"):
