@@ -64,6 +64,8 @@ def bench_flavor(flavor: str, args, device, peak: float, dtype: torch.dtype) -> 
     )
     runtime = build_parallel_runtime(cfg, dims, device, dtype, 0, cross_entropy_loss)
     parts = build_model(cfg, runtime, tokenizer.vocab_size, [])
+    runtime.materialize(parts)
+    runtime.init_weights(parts)
     optimizer = build_optimizer(parts, cfg.optimizer)
     batches = iter(loader)
     n_params = sum(p.numel() for part in parts for p in part.parameters())

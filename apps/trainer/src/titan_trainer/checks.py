@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
+import torch
+
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
+from titan_core.device import resolve_device_type
 from titan_trainer.config import JobConfig
 
 
@@ -126,3 +129,114 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
     if "max_seq_len" in fields:
         changes["max_seq_len"] = config.training.seq_len
     return dataclasses.replace(args, **changes)
+
+
+def preflight_problems(
+    config: JobConfig, world_size: int, *, dry_run: bool = False
+) -> tuple[list[str], list[str], int]:
+    """Every check that needs no process group and no memory: the config for this world size,
+    the parallelize and pipeline configuration, the tokenizer and the datasets.
+
+    Returns (problems, notes, vocabulary size). A real run stops on any problem before it
+    creates process groups. A dry run checks for the job's GPUs wherever it runs, and takes
+    a missing tokenizer as a note (the cluster may hold the file), using the flavor's
+    vocabulary size instead.
+    """
+    import titan_parallel
+
+    problems: list[str] = []
+    notes: list[str] = []
+    try:
+        check_config(config, world_size)
+    except ConfigError as e:
+        return e.problems, notes, 0
+    dims = parallel_dims_for(config, world_size)
+    device_type = "cuda" if dry_run else resolve_device_type(config.job.device)
+    problems += titan_parallel.check_parallelize_config(
+        config.parallelism,
+        config.activation_checkpoint,
+        config.compile,
+        device_type=device_type,
+        cpu_offload=config.training.enable_cpu_offload,
+        dims=dims,
+    )
+    spec = resolve(plugins.MODELS, config.model.name)
+    data = resolve(plugins.DATA, config.training.data_plugin)
+    vocab_size = getattr(spec.flavors[config.model.flavor], "vocab_size", 0)
+    tokenizer_path = config.model.hf_assets_path or config.model.tokenizer_path
+    try:
+        vocab_size = data.build_tokenizer(tokenizer_path).vocab_size
+    except Exception as e:  # any failure to load is the user's to see, with its reason
+        message = f"[model] tokenizer_path = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
+        if dry_run:
+            notes.append(f"{message}; memory uses the flavor's vocabulary ({vocab_size:,})")
+        else:
+            problems.append(message + "\npoint tokenizer_path at a tokenizer.model, or use byte")
+    problems += _dataset_problems(
+        data, "training", config.training.dataset, config.training.dataset_path, notes
+    )
+    if config.validation.enable:
+        problems += _dataset_problems(
+            data, "validation", config.validation.dataset, config.validation.dataset_path, notes
+        )
+    problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
+    return problems, notes, vocab_size
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _dataset_problems(
+    data, section: str, dataset: str, path: str | None, notes: list[str]
+) -> list[str]:
+    describe = getattr(data, "describe_dataset", None)
+    if describe is None:
+        notes.append(
+            f"data plugin {data.name!r} cannot check [{section}] dataset before loading it"
+        )
+        return []
+    try:
+        notes.append(f"[{section}] dataset: {describe(dataset, path)}")
+    except (ValueError, FileNotFoundError, OSError) as e:
+        return [f"[{section}] dataset = {dataset!r}: {_first_line(e)}"]
+    return []
+
+
+def _pipeline_problems(
+    config: JobConfig, spec, dims: ParallelDims, vocab_size: int, notes
+) -> list[str]:
+    import titan_parallel
+
+    p = config.parallelism
+    if not dims.pp_enabled:
+        default = type(p)().pipeline_parallel_schedule
+        try:
+            name = titan_parallel.schedule_name(p.pipeline_parallel_schedule)
+        except ConfigError as e:
+            return e.problems
+        if name != default or p.pipeline_parallel_schedule_csv:
+            notes.append(
+                f"[parallelism] pipeline_parallel_schedule = {name} has no effect: pipeline_parallel_degree is 1"
+            )
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    try:
+        titan_parallel.plan_pipeline(
+            model,
+            dims.pp,
+            schedule=p.pipeline_parallel_schedule,
+            microbatch_size=p.pipeline_parallel_microbatch_size,
+            local_batch_size=config.training.local_batch_size,
+            layers_per_stage=p.pipeline_parallel_layers_per_stage,
+            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+            split_points=p.module_fqns_per_model_part,
+            seq_len=config.training.seq_len,
+            csv_path=p.pipeline_parallel_schedule_csv or None,
+        )
+    except ConfigError as e:
+        return e.problems
+    return []

@@ -1,4 +1,8 @@
-"""`titan-train` (also `python -m titan_trainer`): parse and check the config, then train."""
+"""`titan-train` (also `python -m titan_trainer`): parse and check the config, then train.
+
+`titan-train --dry-run ...` (or `--comm.mode fake_backend`) simulates the job instead of
+running it: see `dry_run.py`.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +25,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if "-h" in args or "--help" in args:
         print(render_help(JobConfig))
+        print(
+            "\n  --dry-run\n      Simulate the job (memory per rank, checks) without training: --comm.mode fake_backend."
+        )
         return 0
+    if "--dry-run" in args:
+        args = [a for a in args if a != "--dry-run"] + ["--comm.mode", "fake_backend"]
     if "--list-plugins" in args:
         for group in plugins.GROUPS:
             found = available(group)
@@ -30,14 +39,25 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     init_logging()
-    from titan_trainer.checks import check_config
+    from titan_trainer.checks import preflight_problems
 
     try:
         config = load_config(JobConfig, args)
-        check_config(config, world_size_from_env())
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    if config.comm.mode == "fake_backend":
+        from titan_trainer.dry_run import main_dry_run
+
+        return main_dry_run(config)
+    problems, notes, _ = preflight_problems(config, world_size_from_env())
+    if problems:
+        print(ConfigError(problems), file=sys.stderr)
+        return 2
+    from titan_core import get_logger
+
+    for note in notes:
+        get_logger("checks").info(note)
     from titan_trainer.train import train
 
     result = train(config)

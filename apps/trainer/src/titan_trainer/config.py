@@ -11,8 +11,10 @@ from typing import Literal
 
 from titan_ckpt import Checkpoint
 from titan_core import Comm, Job
+from titan_core.config import ConfigCompat
 from titan_float8 import Float8
 from titan_parallel import ActivationCheckpoint, Compile, Parallelism
+from titan_trainer import torchtitan_keys
 
 Dtype = Literal["auto", "bfloat16", "float32"]
 
@@ -209,6 +211,38 @@ class Validation:
 
 
 @dataclass
+class DryRun:
+    world_size: int | None = None
+    """Ranks to simulate with `--dry-run`; none takes the product of the parallelism degrees,
+    else the NGPU environment variable."""
+    device: str = "H100"
+    """The GPU the job will run on, for its memory (H100, H200, A100, A100-40GB, B200, MI300X, ...)."""
+    device_memory_gib: float | None = None
+    """Memory per device in GiB; overrides `device`."""
+    headroom_gib: float = 4.0
+    """Memory tensors do not show (CUDA context, NCCL buffers, allocator fragmentation); a job
+    fits when its peak plus this is within the device memory."""
+    all_ranks: bool = False
+    """Simulate every pipeline rank instead of the first and the last."""
+    suggest: bool = True
+    """When the job does not fit, simulate the cheapest changes that would make it fit."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.world_size is not None and self.world_size < 1:
+            problems.append(f"[dry_run] world_size = {self.world_size} is not valid\nuse 1 or more")
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            problems.append(
+                f"[dry_run] device_memory_gib = {self.device_memory_gib} is not valid\nuse a positive size"
+            )
+        if self.headroom_gib < 0:
+            problems.append(
+                f"[dry_run] headroom_gib = {self.headroom_gib} is not valid\nuse 0 or more"
+            )
+        return problems
+
+
+@dataclass
 class QuantizeLinear:
     float8: Float8 = field(default_factory=Float8)
 
@@ -220,6 +254,14 @@ class Quantize:
 
 @dataclass
 class JobConfig:
+    # torchtitan's TOML files load unchanged: its other names for our keys, the keys it has
+    # that Titan does not implement (one warning), and the names it used to have (an error).
+    __config_compat__ = ConfigCompat(
+        aliases=torchtitan_keys.ALIASES,
+        unimplemented=torchtitan_keys.UNIMPLEMENTED,
+        renamed=torchtitan_keys.RENAMED,
+    )
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -234,3 +276,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    dry_run: DryRun = field(default_factory=DryRun)

@@ -35,20 +35,22 @@ class ParallelRuntime:
     _scale: float = 1.0
 
     # ------------------------------------------------------------------ build
-    def parallelize_and_init(self, model: nn.Module) -> list[nn.Module]:
-        """Pipeline split (if PP), then TP -> AC -> compile -> FSDP on each part, then
-        materialise and initialise. Returns this rank's model parts."""
-        cfg = self.config
-        p = cfg.parallelism
-        self.flops_per_token = model.flops_per_token(cfg.training.seq_len)
-        fsdp_mp = self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+    def parallelize(
+        self, model: nn.Module, stage_io: tp_lib.StageIO | None = None
+    ) -> list[nn.Module]:
+        """Pipeline split (if PP), then TP -> AC -> compile -> FSDP on each part. The parts
+        stay on the meta device (see `materialize`). Returns this rank's model parts.
+        `stage_io` gives the pipeline static shapes (the dry run's fake process group needs
+        them; see `titan_parallel.infer_stage_io`)."""
+        p = self.config.parallelism
+        self.flops_per_token = model.flops_per_token(self.config.training.seq_len)
         if self.dims.pp_enabled:
             self.pipeline = tp_lib.build_pipeline(
                 model,
                 self.dims.mesh("pp"),
                 schedule=p.pipeline_parallel_schedule,
                 microbatch_size=p.pipeline_parallel_microbatch_size,
-                local_batch_size=cfg.training.local_batch_size,
+                local_batch_size=self.config.training.local_batch_size,
                 loss_fn=self._scaled_loss,
                 device=self.device,
                 layers_per_stage=p.pipeline_parallel_layers_per_stage,
@@ -56,32 +58,55 @@ class ParallelRuntime:
                 last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
                 split_points=p.module_fqns_per_model_part,
                 csv_path=p.pipeline_parallel_schedule_csv or None,
-                seq_len=cfg.training.seq_len,
+                seq_len=self.config.training.seq_len,
+                stage_io=stage_io,
             )
             parts = self.pipeline.model_parts
         else:
             parts = [model]
         for part in parts:
-            tp_lib.parallelize(
-                part,
-                self.dims,
-                part.tp_plan() if self.dims.tp_enabled else None,
-                parallelism=p,
-                ac=cfg.activation_checkpoint,
-                compile=cfg.compile,
-                param_dtype=self.dtype if fsdp_mp else torch.float32,
-                reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
-                cpu_offload=cfg.training.enable_cpu_offload,
-            )
-            part.to_empty(device="cpu" if cfg.training.enable_cpu_offload else self.device)
-            # Exact: every layout starts from the weights a single process would draw. Pipeline
-            # stages draw only their own modules; a seed checkpoint makes them match too.
-            tp_lib.init_weights_exact(part, self.seed, buffer_device=self.device)
-            part.train()
-        self.autocast = None if (fsdp_mp or self.dtype == torch.float32) else self.dtype
+            self.parallelize_part(part)
+        self.autocast = (
+            None if (self._fsdp_mixed_precision or self.dtype == torch.float32) else self.dtype
+        )
         if self.dims.cp_enabled:
             tp_lib.enable_cpu_ring_attention()
         return parts
+
+    @property
+    def _fsdp_mixed_precision(self) -> bool:
+        return self.dims.fsdp_enabled or self.dims.dp_replicate_enabled
+
+    def parallelize_part(self, part: nn.Module) -> None:
+        """TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP on one model part."""
+        cfg = self.config
+        tp_lib.parallelize(
+            part,
+            self.dims,
+            part.tp_plan() if self.dims.tp_enabled else None,
+            parallelism=cfg.parallelism,
+            ac=cfg.activation_checkpoint,
+            compile=cfg.compile,
+            param_dtype=self.dtype if self._fsdp_mixed_precision else torch.float32,
+            reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
+            cpu_offload=cfg.training.enable_cpu_offload,
+        )
+
+    def materialize(self, parts: list[nn.Module]) -> None:
+        """Give the meta-device parts storage (uninitialised) on the training device."""
+        for part in parts:
+            part.to_empty(device="cpu" if self.config.training.enable_cpu_offload else self.device)
+            part.train()
+
+    def init_weights(self, parts: list[nn.Module], *, parameters: bool = True) -> None:
+        """Initial values: every layout starts from the weights a single process draws with
+        this seed (a function of seed and parameter name; see `titan_core.init`). With
+        `parameters=False` only buffers are rebuilt: the weights come from a checkpoint."""
+        for part in parts:
+            if parameters or not hasattr(part, "init_buffers"):
+                tp_lib.init_weights_exact(part, self.seed, buffer_device=self.device)
+            else:
+                part.init_buffers(self.device)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) * self._scale
@@ -136,12 +161,12 @@ class ParallelRuntime:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
         return stack
 
-    def clip_grad_norm(self, parts: list[nn.Module], max_norm: float) -> float:
+    def clip_grad_norm(self, parts: list[nn.Module], max_norm: float) -> torch.Tensor:
+        """The global gradient norm before clipping (a tensor: reading it syncs the host)."""
         params = [p for part in parts for p in part.parameters()]
-        norm = tp_lib.clip_grad_norm_(
+        return tp_lib.clip_grad_norm_(
             params, max_norm if max_norm > 0 else float("inf"), pp_mesh=self.dims.mesh("pp")
         )
-        return float(norm)
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
         return tp_lib.dist_mean(loss, self.dims.mesh("dp_cp"))

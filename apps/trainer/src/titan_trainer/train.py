@@ -115,9 +115,15 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def build_model(
-    config: JobConfig, runtime: ParallelRuntime, vocab_size: int, converters: list
+    config: JobConfig,
+    runtime: ParallelRuntime,
+    vocab_size: int,
+    converters: list,
+    stage_io=None,
 ) -> list[nn.Module]:
-    """Meta-device build, converters, parallelism, then the one place weights get values."""
+    """Meta-device build, converters, parallelism; returns this rank's parts, still on the
+    meta device (`runtime.materialize`, then weights from `runtime.init_weights` or a
+    checkpoint)."""
     spec = resolve(plugins.MODELS, config.model.name)
     args = model_args_for(spec, config, vocab_size)
     with torch.device("meta"):
@@ -126,7 +132,7 @@ def build_model(
         converter.convert(model)
     if config.model.print_after_conversion:
         log.info("model after conversion:\n%s", model)
-    return runtime.parallelize_and_init(model)
+    return runtime.parallelize(model, stage_io)
 
 
 def train(config: JobConfig) -> TrainResult:
@@ -158,7 +164,7 @@ def _train(config: JobConfig, info) -> TrainResult:
         config.job.description,
         info.world_size,
         device.type,
-        _layout(dims),
+        layout_text(dims),
         dtype,
     )
 
@@ -191,6 +197,7 @@ def _train(config: JobConfig, info) -> TrainResult:
     ]
     runtime = build_parallel_runtime(config, dims, device, dtype, seed, cross_entropy_loss)
     model_parts = build_model(config, runtime, tokenizer.vocab_size, converters)
+    runtime.materialize(model_parts)
     optimizer = build_optimizer(model_parts, config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     state = TrainState()
@@ -207,17 +214,21 @@ def _train(config: JobConfig, info) -> TrainResult:
         dp_rank,
         tokenizer.vocab_size,
     )
-    if checkpointer is not None and config.checkpoint.create_seed_checkpoint:
+    seeding = config.checkpoint.create_seed_checkpoint
+    loaded = None
+    if checkpointer is not None and not seeding:
+        loaded = checkpointer.load(config.checkpoint.load_step)
+    # The one place weights get values, unless a checkpoint already gave them.
+    runtime.init_weights(model_parts, parameters=loaded is None)
+    if checkpointer is not None and seeding:
         checkpointer.save(0, last_step=True)
         checkpointer.close()
         log.info(
             "seed checkpoint written; start training without --checkpoint.create_seed_checkpoint"
         )
         return TrainResult(0, 0, [], False)
-    if checkpointer is not None:
-        loaded = checkpointer.load(config.checkpoint.load_step)
-        if loaded:  # step 0 is a seed checkpoint: nothing to resume
-            log.info("resumed at step %d (%s tokens seen)", state.step, f"{state.tokens_seen:,}")
+    if loaded:  # step 0 is a seed checkpoint: nothing to resume
+        log.info("resumed at step %d (%s tokens seen)", state.step, f"{state.tokens_seen:,}")
 
     accum = _accumulation_steps(config, dims)
     flops_per_token = runtime.flops_per_token
@@ -330,7 +341,7 @@ def train_step(
         inputs = inputs.to(runtime.device, non_blocking=True)
         labels = labels.to(runtime.device, non_blocking=True)
         total += runtime.forward_backward(model_parts, inputs, labels, scale=1.0 / accum)
-    grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
+    grad_norm = float(runtime.clip_grad_norm(model_parts, config.training.max_norm))
     optimizer.step()
     loss = runtime.reduce_loss(total)
     if not math.isfinite(loss):
@@ -362,7 +373,8 @@ def _window_metrics(
     }
 
 
-def _layout(dims: ParallelDims) -> str:
+def layout_text(dims: ParallelDims) -> str:
+    """The layout in one phrase: `dp_shard 8 x tp 8`, or `single process`."""
     parts = [
         f"{name} {getattr(dims, name)}"
         for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")

@@ -8,6 +8,7 @@ from typing import Any
 
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.manager import CheckpointManager
+from titan_ckpt.preflight import check_loadable
 from titan_core.protocols import Checkpointer, HFAdapter
 
 
@@ -44,3 +45,8 @@ def build_checkpointer(
         dp_world_size=dp_world,
         hf_adapter=hf_adapter,
     )
+
+
+# The trainer's dry run asks the factory it resolved whether the checkpoint a job would resume
+# from fits the job's model (see `titan_core.protocols.Checkpointer`).
+build_checkpointer.check_loadable = check_loadable  # type: ignore[attr-defined]

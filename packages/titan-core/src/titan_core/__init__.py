@@ -12,7 +12,9 @@ from titan_core.config import (
     validate,
 )
 from titan_core.device import (
+    DEVICE_MEMORY_GIB,
     backend_for,
+    device_memory_gib,
     device_name,
     local_device,
     resolve_device_type,
@@ -31,6 +33,7 @@ from titan_core.flops import (
     measure_matmul_flops,
     peak_flops,
 )
+from titan_core.init import ParamInit, init_from_plan_, init_parameter_
 from titan_core.log import get_logger, init_logging
 from titan_core.memory import MemoryMonitor, MemoryStats
 from titan_core.parallel_dims import ParallelDims
@@ -54,6 +57,11 @@ from titan_core.seed import set_seed
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEVICE_MEMORY_GIB",
+    "ParamInit",
+    "device_memory_gib",
+    "init_from_plan_",
+    "init_parameter_",
     "PEAK_TFLOPS",
     "Checkpointer",
     "Comm",

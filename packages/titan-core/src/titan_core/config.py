@@ -33,6 +33,21 @@ T = TypeVar("T")
 CONFIG_FILE_FLAGS = ("--job.config_file", "--config")
 
 
+@dataclasses.dataclass(frozen=True)
+class ConfigCompat:
+    """Keys another tool's config files use (a root config class sets `__config_compat__`).
+
+    `aliases`: that tool's name -> ours; the value is used as if set under our name.
+    `unimplemented`: keys it knows and we do not implement; a file setting them loads, with one
+    warning naming them. `renamed`: names it used to have -> what to write now; an error.
+    All names are dotted (`section.key`).
+    """
+
+    aliases: typing.Mapping[str, str] = dataclasses.field(default_factory=dict)
+    unimplemented: typing.Collection[str] = frozenset()
+    renamed: typing.Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
 class ConfigError(ValueError):
     """One or more config problems. `str()` is the message a user sees, one problem per
     paragraph, each line already prefixed for the terminal."""
@@ -378,12 +393,88 @@ def load_config(
         raw = _from_toml(data, path.name)
     cli, problems = _parse_cli(args, cls)
     raw = _merge(raw, cli)
+    compat = getattr(cls, "__config_compat__", None)
+    if compat is not None:
+        raw = _apply_compat(raw, compat, problems)
     config = _build(cls, raw, (), problems)
     if not problems:
         problems.extend(validate(config))
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _apply_compat(raw: dict[str, Any], compat: ConfigCompat, problems: list[str]) -> dict[str, Any]:
+    """Move aliased keys to our names, drop (and name once) unimplemented ones, and turn
+    renamed ones into problems saying what to write instead."""
+    from titan_core.log import get_logger
+
+    leaves = list(_dotted_leaves(raw))
+    ignored = []
+    for dotted, item in leaves:
+        if dotted in compat.aliases:
+            target = compat.aliases[dotted]
+            _pop(raw, dotted)
+            if _lookup(raw, target) is not None:
+                problems.append(
+                    f"both {dotted} and {target} are set{_where(item)}\nthey are one setting; keep {target}"
+                )
+            else:
+                _put(raw, target, item)
+        elif dotted in compat.unimplemented:
+            _pop(raw, dotted)
+            ignored.append(_label(dotted))
+        elif dotted in compat.renamed:
+            _pop(raw, dotted)
+            problems.append(
+                f"{_label(dotted)} was renamed{_where(item)}\nuse {compat.renamed[dotted]}"
+            )
+    if ignored:
+        get_logger("config").warning(
+            "ignoring keys Titan does not implement: %s", ", ".join(ignored)
+        )
+    return raw
+
+
+def _label(dotted: str) -> str:
+    head, _, key = dotted.rpartition(".")
+    return f"[{head}] {key}" if head else key
+
+
+def _dotted_leaves(tree: dict[str, Any], path: tuple[str, ...] = ()):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _dotted_leaves(value, (*path, key))
+        else:
+            yield ".".join((*path, key)), value
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _pop(tree: dict[str, Any], dotted: str) -> None:
+    *heads, last = dotted.split(".")
+    chain = [tree]
+    for part in heads:
+        chain.append(chain[-1][part])
+    del chain[-1][last]
+    for parent, part in zip(reversed(chain[:-1]), reversed(heads)):
+        if not parent[part]:  # a section left empty goes too
+            del parent[part]
+
+
+def _put(tree: dict[str, Any], dotted: str, item: Any) -> None:
+    *heads, last = dotted.split(".")
+    node = tree
+    for part in heads:
+        node = node.setdefault(part, {})
+    node[last] = item
 
 
 def validate(config: Any) -> list[str]:

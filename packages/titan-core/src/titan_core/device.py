@@ -70,3 +70,36 @@ def supports_bf16(device: torch.device) -> bool:
             return "AMX" in torch.backends.cpu.get_cpu_capability().upper()
         return "avx512_bf16" in flags or "amx_bf16" in flags
     return False
+
+
+# Memory per device as torch reports it (GiB), for devices a job may target. A dry run on a
+# laptop names its target by these names; longest match wins ("H100 NVL" before "H100").
+DEVICE_MEMORY_GIB: dict[str, float] = {
+    "H100 NVL": 93.1,
+    "H100 PCIe": 79.2,
+    "H100": 79.2,  # SXM 80 GB
+    "H200": 139.8,
+    "H20": 95.0,
+    "B200": 178.4,
+    "GB200": 184.0,
+    "A100-40GB": 39.4,
+    "A100": 79.2,  # 80 GB
+    "A10G": 22.1,
+    "L40S": 44.4,
+    "L4": 22.0,
+    "MI300X": 191.5,
+    "MI325X": 255.5,
+    "MI355X": 287.6,
+}
+
+
+def device_memory_gib(name: str) -> float | None:
+    """Usable memory of a device named like `torch.cuda.get_device_name()` ("NVIDIA H100 80GB
+    HBM3") or a short name ("H100", "A100-40GB"); None for an unknown name."""
+    upper = name.upper().replace(" ", "")
+    if "A100" in upper and "40GB" in upper:
+        return DEVICE_MEMORY_GIB["A100-40GB"]
+    for key in sorted(DEVICE_MEMORY_GIB, key=len, reverse=True):
+        if key.upper().replace(" ", "") in upper:
+            return DEVICE_MEMORY_GIB[key]
+    return None

@@ -136,6 +136,10 @@ class DataSpec:
     name: str
     build_tokenizer: Callable[..., Tokenizer]
     build_dataloader: Callable[..., StatefulLoader]
+    describe_dataset: Callable[[str, str | None], str] | None = None
+    """Optional: resolve a dataset name and path without reading it (no download) and return
+    a one-line description, or raise ValueError/FileNotFoundError saying what is wrong. Lets
+    a trainer reject a bad dataset before it starts any process."""
 
 
 # ----------------------------------------------------------------------------- converters
@@ -178,3 +182,9 @@ class Checkpointer(Protocol):
 
     def close(self) -> None:
         """Finish in-flight saves and release resources."""
+
+
+# A checkpointer factory (what the `titan.checkpointers` entry point names) may also carry a
+# `check_loadable(config, dump_folder, expected)` attribute: given the global shape of every
+# model tensor by name, it returns (problems, note) about the checkpoint a run would resume
+# from, without loading it. The trainer's dry run calls it when it is there.

@@ -22,6 +22,9 @@ class Job:
 
 @dataclass
 class Comm:
+    mode: Literal["default", "fake_backend"] = "default"
+    """`fake_backend`: do not train; simulate the job on a fake process group and fake tensors
+    and report per-rank memory (the same as `titan-train --dry-run`; torchtitan's spelling)."""
     init_timeout_seconds: int = 300
     """Timeout for process-group initialisation and the first collectives."""
     train_timeout_seconds: int = 100

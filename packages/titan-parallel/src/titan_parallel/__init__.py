@@ -19,6 +19,15 @@ from titan_parallel.data_parallel import (
 )
 from titan_parallel.grad_clip import clip_grad_norm_, dist_max, dist_mean, dist_sum, total_grad_norm
 from titan_parallel.init import init_weights_exact
+from titan_parallel.memory_estimate import (
+    MemoryBreakdown,
+    StepMemoryTracker,
+    estimate_init_memory,
+    estimate_step_memory,
+    fake_process_group,
+    fake_tensors,
+    resident_bytes,
+)
 from titan_parallel.parallelize import parallelize
 from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, loss_context
 
@@ -27,6 +36,13 @@ __version__ = "0.1.0"
 __all__ = [
     "SAVE_OPS",
     "ActivationCheckpoint",
+    "MemoryBreakdown",
+    "StepMemoryTracker",
+    "estimate_init_memory",
+    "estimate_step_memory",
+    "fake_process_group",
+    "fake_tensors",
+    "resident_bytes",
     "Compile",
     "Parallelism",
     "apply_ac",
@@ -60,9 +76,14 @@ from titan_parallel.context_parallel import (  # noqa: E402
 from titan_parallel.pipeline import (  # noqa: E402
     SCHEDULES,
     Pipeline,
+    PipelinePlan,
+    StageIO,
     broadcast_pipeline_loss,
     build_pipeline,
+    infer_stage_io,
+    plan_pipeline,
     pp_total_norm,
+    schedule_name,
 )
 from titan_parallel.pipeline_split import (  # noqa: E402
     build_stage_modules,
@@ -75,6 +96,11 @@ __all__ += [
     "SCHEDULES",
     "SUPPORTED_TORCH",
     "Pipeline",
+    "PipelinePlan",
+    "StageIO",
+    "infer_stage_io",
+    "plan_pipeline",
+    "schedule_name",
     "broadcast_pipeline_loss",
     "build_pipeline",
     "build_stage_modules",

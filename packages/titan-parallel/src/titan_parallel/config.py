@@ -11,8 +11,6 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 from titan_core.parallel_dims import ParallelDims
 
 _DEGREES = (
@@ -213,12 +211,6 @@ def check_parallelize_config(
             "[parallelism] data_parallel_replicate_degree > 1 with data_parallel_shard_degree = 1 is DDP,"
             " which does not compose with tensor parallel\n"
             "use HSDP instead: set data_parallel_shard_degree > 1 (or -1)"
-        )
-    if compiled and tp:
-        problems.append(
-            "[compile] of the model does not work together with tensor parallel in this torch"
-            f" ({torch.__version__}): the backward of compiled DTensor redistributions fails\n"
-            "turn off one of them (--compile.enable false, or tensor_parallel_degree = 1)"
         )
     if cpu_offload and not fsdp:
         problems.append(

@@ -323,7 +323,8 @@ def _check_buffers_own_their_memory(buffers: Sequence[torch.Tensor]) -> None:
                 f"cp_context buffer {i} (shape {tuple(b.shape)}) is not contiguous; it is sharded"
                 " in place, so pass a contiguous copy (`t.contiguous()` or `t.clone()`)"
             )
-        ptr = b.untyped_storage().data_ptr()
+        # The storage itself, not its address: fake tensors (the dry run) all have address 0.
+        ptr = b.untyped_storage()._cdata
         if b.numel() and ptr in seen:
             raise ValueError(
                 f"cp_context buffers {seen[ptr]} and {i} share one storage (views of one tensor,"

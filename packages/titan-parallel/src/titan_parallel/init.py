@@ -1,10 +1,19 @@
 """Initialise a sharded model with exactly the values one unsharded process would give it.
 
 DTensor random initialisation on each shard does not reproduce a single-process
-initialisation on CPU (each rank draws its own stream), so a sharded run would start from
-different weights than its 1-process reference and could not be compared to it, or resumed
-on a different layout with the same seed. `init_weights_exact` instead draws the full tensors,
-in the model's own order, and keeps each rank's shard.
+initialisation (each rank draws its own stream), so a sharded run would start from different
+weights than its 1-process reference and could not be compared to it, or resumed on a
+different layout with the same seed.
+
+`init_weights_exact` has two ways to avoid that:
+- a model with an `init_plan()` (a `titan_core.ParamInit` per parameter name) gets values
+  that are a function of (seed, parameter name) only: each rank draws just the blocks of its
+  own shards, one at a time, so no rank holds more than its shards plus one block, and every
+  layout, pipeline stages included, starts from the same weights;
+- any other model gets its own `init_weights()` called on full, plain copies of every
+  parameter under `torch.manual_seed(seed)`, after which each rank keeps its shard. That needs
+  the full model's memory on every rank for a moment: fine for small models; give a large one
+  an `init_plan()`.
 """
 
 from __future__ import annotations
@@ -13,20 +22,36 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_core.config import ConfigError
+from titan_core.init import init_from_plan_
+
 
 @torch.no_grad()
 def init_weights_exact(
     model: nn.Module, seed: int, *, buffer_device: torch.device | None = None
 ) -> None:
-    """Seed the RNG and call `model.init_weights()` with every DTensor parameter temporarily
-    replaced by a full, plain tensor; then copy each rank's shard of it into the parameter in
-    place (parameter objects, and so FSDP's and the optimizer's references, stay the same).
+    """Give every parameter of `model` (plain or DTensor, after `to_empty`) the values a
+    single process draws with this `seed`, and rebuild its non-persistent buffers.
 
-    Every rank ends up with its shard of exactly the weights a single process gets from
-    `torch.manual_seed(seed); model.init_weights()`. Call it after `to_empty`. It needs the
-    full model's memory on every rank for a moment; for models that do not fit, initialise
-    once in a single process, save a seed checkpoint, and load that instead.
+    Uses `model.init_plan()` and `model.init_buffers(buffer_device)` when the model has them
+    (scalable), else `model.init_weights(buffer_device=...)` on full copies (see the module
+    docstring). Parameter objects stay the same, so FSDP's and an optimizer's references hold.
     """
+    if hasattr(model, "init_plan"):
+        missing = init_from_plan_(model, model.init_plan(), seed)
+        if missing:
+            raise ConfigError(
+                f"{type(model).__name__}.init_plan() has no rule for {', '.join(missing[:5])}"
+                + (" ..." if len(missing) > 5 else "")
+                + "\nadd a ParamInit for every parameter name (names as in the unwrapped model)"
+            )
+        if hasattr(model, "init_buffers"):
+            model.init_buffers(buffer_device)
+        return
+    _init_on_full_copies(model, seed, buffer_device)
+
+
+def _init_on_full_copies(model: nn.Module, seed: int, buffer_device: torch.device | None) -> None:
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     fulls: dict[int, nn.Parameter] = {}  # by id: a tied parameter gets one full tensor
     for module in model.modules():
@@ -53,7 +78,8 @@ def init_weights_exact(
         if id(param) in done:
             continue
         done.add(id(param))
-        full = fulls[id(param)]
         # Every rank holds the same full tensor, so each can cut its own shard: no communication.
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        shard = distribute_tensor(
+            fulls[id(param)], param.device_mesh, param.placements, src_data_rank=None
+        )
         param.to_local().copy_(shard.to_local())

@@ -22,7 +22,7 @@ from titan_parallel.config import (
     check_parallelize_config,
 )
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
-from titan_parallel.tensor_parallel import apply_tp
+from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
 
 
 def parallelize(
@@ -68,6 +68,8 @@ def parallelize(
             async_tp=parallelism.enable_async_tensor_parallel,
         )
     apply_ac(model, ac)
+    if dims.tp_enabled and compile.compiles("model"):
+        copy_block_inputs(model)
     apply_compile(model, compile)
     if dims.fsdp_enabled:
         apply_fsdp(

@@ -43,9 +43,14 @@ from titan_parallel.pipeline_split import (
 __all__ = [
     "SCHEDULES",
     "Pipeline",
+    "PipelinePlan",
+    "StageIO",
+    "infer_stage_io",
     "broadcast_pipeline_loss",
     "build_pipeline",
     "pipeline_stage_ids",
+    "plan_pipeline",
+    "schedule_name",
     "pp_total_norm",
 ]
 
@@ -104,6 +109,57 @@ class Pipeline:
                 for loss in losses
             ]
         ).sum()
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """What flows between pipeline stages for one microbatch, as tensors whose values do not
+    matter (meta or fake). Given to `build_pipeline`, it replaces the shape exchange the
+    stages otherwise do at their first step, which a fake process group (the dry run) cannot
+    carry."""
+
+    first_input: torch.Tensor
+    """The first stage's input (token ids)."""
+    hidden: torch.Tensor
+    """What every stage but the last passes on, and every stage but the first receives."""
+    last_output: torch.Tensor
+    """The last stage's output (logits; a DTensor under loss parallel)."""
+
+
+@torch.no_grad()
+def infer_stage_io(probe: nn.Module, first_input: torch.Tensor) -> StageIO:
+    """Run `probe` once on `first_input` and record what its first block returns and what it
+    returns. `probe` is the model with the same parallelisms (TP, FSDP, mixed precision) as
+    the stages, usually trimmed to one block, materialised on fake tensors (or for real);
+    `first_input` is one microbatch as the first stage sees it (after context-parallel
+    sharding, when that is on)."""
+    seen: list[torch.Tensor] = []
+    first_block = next(iter(probe.layers.values()))
+    handle = first_block.register_forward_hook(lambda _m, _a, out: seen.append(out))
+    try:
+        output = probe(first_input)
+    finally:
+        handle.remove()
+    # Recorded without autograd; in training both carry gradients between stages.
+    return StageIO(
+        first_input=first_input,
+        hidden=seen[0].detach().requires_grad_(True),
+        last_output=output.detach().requires_grad_(True),
+    )
+
+
+def _stage_kwargs(io: StageIO | None, stage_id: int, num_stages: int) -> dict:
+    if io is None:
+        return {}
+    first, last = stage_id == 0, stage_id == num_stages - 1
+    return dict(
+        input_args=io.first_input if first else io.hidden,
+        output_args=io.last_output if last else io.hidden,
+        input_grads=None if first else io.hidden,
+        # The last stage's output gradient comes from its own loss, never from a peer; torch
+        # still wants its shape when the output is a DTensor (loss parallel).
+        output_grads=io.last_output if last else io.hidden,
+    )
 
 
 def pipeline_stage_ids(
@@ -202,15 +258,28 @@ def _scaled_loss(
     return loss
 
 
-def build_pipeline(
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a model splits into stages and which stages each pipeline rank runs."""
+
+    schedule: str
+    """The schedule's name ("custom CSV" for a CSV schedule)."""
+    names_per_stage: list[list[str]]
+    stage_ids_per_rank: list[list[int]]
+    n_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.names_per_stage)
+
+
+def plan_pipeline(
     model: nn.Module,
-    pp_mesh: DeviceMesh,
+    pp_degree: int,
     *,
     schedule: str = "1F1B",
     microbatch_size: int,
     local_batch_size: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
     layers_per_stage: int | None = None,
     stages_per_rank: int | None = None,
     first_stage_less_layers: int = 1,
@@ -219,29 +288,10 @@ def build_pipeline(
     balance: Literal["layers", "params", "flops"] = "layers",
     seq_len: int | None = None,
     csv_path: str | Path | None = None,
-    parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
-) -> Pipeline:
-    """Split `model` (built on the meta device) into pipeline stages and build the schedule.
-
-    Args:
-        pp_mesh: the pipeline mesh, `ParallelDims.mesh("pp")`.
-        schedule: a name from `SCHEDULES` (case-insensitive); ignored when `csv_path` is set.
-        microbatch_size, local_batch_size: the local batch is cut into
-            `local_batch_size // microbatch_size` microbatches.
-        loss_fn: `loss_fn(logits, labels)` returning the mean loss of one microbatch.
-        layers_per_stage: units (layers, with the embedding and output counted as
-            `first_stage_less_layers` / `last_stage_less_layers` layers) per stage; fixes the
-            number of stages. Otherwise the count is pp x `stages_per_rank` (default 1 for
-            single-stage schedules, 2 for the others).
-        split_points: explicit module names per stage, overriding the automatic split.
-        balance: "layers" splits by layer count; "params"/"flops" balance stage cost
-            automatically (FLOPs need `seq_len`).
-        csv_path: run the schedule written in this CSV (one row per rank, torch's action
-            syntax such as `0F1`, `1B0`, `0W0`); stage ownership is read from it.
-        parallelize_fn: applied to each stage module before its PipelineStage is made (it may
-            also be applied by the caller afterwards, in place).
-    """
-    pp_degree, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+) -> PipelinePlan:
+    """Split and schedule checks without any process group (see `build_pipeline` for the
+    arguments): raises `ConfigError` naming what cannot work. A trainer calls it before
+    creating process groups; `build_pipeline` calls it too."""
     if local_batch_size < 1 or microbatch_size < 1 or local_batch_size % microbatch_size:
         raise ConfigError(
             f"[training] local_batch_size = {local_batch_size} does not split into microbatches of"
@@ -263,12 +313,7 @@ def build_pipeline(
         name, style = "custom CSV", None
         wanted = max(max(ids, default=-1) for ids in csv_ids) + 1
     else:
-        name = next((n for n in SCHEDULES if n.lower() == schedule.lower()), None)
-        if name is None:
-            raise ConfigError(
-                f"[parallelism] pipeline_parallel_schedule = {schedule!r} is not a schedule\n"
-                f"choose one of {', '.join(SCHEDULES)}, or give pipeline_parallel_schedule_csv"
-            )
+        name = schedule_name(schedule)
         style = SCHEDULES[name]
         default_per_rank = 1 if style == "single" else 2
         wanted = pp_degree * (stages_per_rank or default_per_rank)
@@ -295,20 +340,100 @@ def build_pipeline(
                 f"[parallelism] the schedule CSV uses {wanted} stages but the model split has"
                 f" {num_stages}\nmake the split (split points / layers per stage) match the CSV"
             )
-        stage_ids = csv_ids[pp_rank]
-        if not stage_ids:
-            raise ConfigError(f"the schedule CSV gives pipeline rank {pp_rank} no stage to run")
+        empty = [rank for rank, ids in enumerate(csv_ids) if not ids]
+        if empty:
+            raise ConfigError(f"the schedule CSV gives pipeline rank {empty[0]} no stage to run")
+        per_rank = csv_ids
     else:
         assert style is not None
         _check_microbatches(name, n_microbatches, num_stages, pp_degree)
-        stage_ids = pipeline_stage_ids(style, pp_rank, pp_degree, num_stages // pp_degree)
+        per_rank = [
+            pipeline_stage_ids(style, r, pp_degree, num_stages // pp_degree)
+            for r in range(pp_degree)
+        ]
+    return PipelinePlan(name, names_per_stage, per_rank, n_microbatches)
 
+
+def schedule_name(schedule: str) -> str:
+    """The canonical name of a schedule in `SCHEDULES` (case-insensitive), or a ConfigError."""
+    name = next((n for n in SCHEDULES if n.lower() == schedule.lower()), None)
+    if name is None:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_schedule = {schedule!r} is not a schedule\n"
+            f"choose one of {', '.join(SCHEDULES)}, or give pipeline_parallel_schedule_csv"
+        )
+    return name
+
+
+def build_pipeline(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    *,
+    schedule: str = "1F1B",
+    microbatch_size: int,
+    local_batch_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    layers_per_stage: int | None = None,
+    stages_per_rank: int | None = None,
+    first_stage_less_layers: int = 1,
+    last_stage_less_layers: int = 1,
+    split_points: Sequence[Sequence[str]] | None = None,
+    balance: Literal["layers", "params", "flops"] = "layers",
+    seq_len: int | None = None,
+    csv_path: str | Path | None = None,
+    parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
+    stage_io: StageIO | None = None,
+) -> Pipeline:
+    """Split `model` (built on the meta device) into pipeline stages and build the schedule.
+
+    Args:
+        pp_mesh: the pipeline mesh, `ParallelDims.mesh("pp")`.
+        schedule: a name from `SCHEDULES` (case-insensitive); ignored when `csv_path` is set.
+        microbatch_size, local_batch_size: the local batch is cut into
+            `local_batch_size // microbatch_size` microbatches.
+        loss_fn: `loss_fn(logits, labels)` returning the mean loss of one microbatch.
+        layers_per_stage: units (layers, with the embedding and output counted as
+            `first_stage_less_layers` / `last_stage_less_layers` layers) per stage; fixes the
+            number of stages. Otherwise the count is pp x `stages_per_rank` (default 1 for
+            single-stage schedules, 2 for the others).
+        split_points: explicit module names per stage, overriding the automatic split.
+        balance: "layers" splits by layer count; "params"/"flops" balance stage cost
+            automatically (FLOPs need `seq_len`).
+        csv_path: run the schedule written in this CSV (one row per rank, torch's action
+            syntax such as `0F1`, `1B0`, `0W0`); stage ownership is read from it.
+        parallelize_fn: applied to each stage module before its PipelineStage is made (it may
+            also be applied by the caller afterwards, in place).
+        stage_io: static shapes of what flows between stages (see `infer_stage_io`); without
+            it the stages exchange shapes at their first step.
+    """
+    pp_degree, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    plan = plan_pipeline(
+        model,
+        pp_degree,
+        schedule=schedule,
+        microbatch_size=microbatch_size,
+        local_batch_size=local_batch_size,
+        layers_per_stage=layers_per_stage,
+        stages_per_rank=stages_per_rank,
+        first_stage_less_layers=first_stage_less_layers,
+        last_stage_less_layers=last_stage_less_layers,
+        split_points=split_points,
+        balance=balance,
+        seq_len=seq_len,
+        csv_path=csv_path,
+    )
+    name, names_per_stage, num_stages = plan.schedule, plan.names_per_stage, plan.num_stages
+    n_microbatches = plan.n_microbatches
+    stage_ids = plan.stage_ids_per_rank[pp_rank]
     parts = build_stage_modules(model, names_per_stage, stage_ids)
     if parallelize_fn is not None:
         parts = [parallelize_fn(part) or part for part in parts]
     group = pp_mesh.get_group()
     stages = [
-        PipelineStage(part, sid, num_stages, device, group=group)
+        PipelineStage(
+            part, sid, num_stages, device, group=group, **_stage_kwargs(stage_io, sid, num_stages)
+        )
         for part, sid in zip(parts, stage_ids)
     ]
     scaled = _scaled_loss(loss_fn, n_microbatches)

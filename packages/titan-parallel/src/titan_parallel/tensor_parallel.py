@@ -149,6 +149,27 @@ def apply_tp(
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
+def copy_block_inputs(model: nn.Module) -> None:
+    """Make what the modules before the blocks (`model.pre_blocks`) return a tensor of its
+    own instead of a view of a DTensor's local shard.
+
+    Under TP the embedding returns `to_local()` of its output, a view. When the first block is
+    compiled, AOTAutograd replays that view from its base in backward and the gradient skips
+    DTensor's own backward, which then fails ("'Tensor' object has no attribute
+    '_local_tensor'"). One copy of one activation per step avoids it.
+    """
+    for name in getattr(model, "pre_blocks", ()):
+        module = getattr(model, name, None)
+        if module is not None:
+            module.register_forward_hook(_own_output)
+
+
+def _own_output(_module: nn.Module, _args: tuple, output):
+    return (
+        output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
+    )
+
+
 def loss_context(
     dims: ParallelDims, parallelism: Parallelism | None = None
 ) -> contextlib.AbstractContextManager:

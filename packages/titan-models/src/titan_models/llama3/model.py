@@ -10,8 +10,10 @@ Parallelism hooks: heads are always reshaped with -1 so tensor parallel can shar
 pipeline parallel may delete blocks from `layers` and set `tok_embeddings`, `norm` or `output`
 to None, in which case `forward` passes its input through that step unchanged.
 
-Initialisation (`init_weights`, after `to_empty`), every draw truncated at 3 standard deviations
-except the embedding:
+Initialisation (`init_weights`, after `to_empty`) is data: `init_plan()` gives each parameter a
+`titan_core.ParamInit`, and its values are a function of (seed, parameter name) only, so every
+layout (FSDP, TP, pipeline stages) starts from exactly the weights one process draws. Every
+draw is truncated at 3 standard deviations except the embedding:
 - `tok_embeddings`: normal(0, 1), since the first RMSNorm rescales it anyway.
 - wq, wk, wv, w1, w3: std 0.02.
 - wo, w2 (they write into the residual stream): std 0.02 / sqrt(2 * (layer_id + 1)) with
@@ -19,7 +21,7 @@ except the embedding:
 - RMSNorm scales: 1.
 - `output`: std dim**-0.5, so initial logits have unit scale. With tied embeddings the shared
   matrix gets this init (normal(0, 1) would make the logits sqrt(dim) times too large).
-Only `nn.init` functions touch the parameters, so this works on DTensor shards.
+On DTensor parameters each rank draws only the blocks of its own shard (see titan_core.init).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_core.init import ParamInit, init_from_plan_
 from titan_core.protocols import TPPlan
 from titan_models.llama3.args import LlamaArgs
 from titan_models.llama3.flops import llama_flops_per_token
@@ -38,8 +41,22 @@ from titan_models.llama3.rope import apply_rope, build_rope_cache
 BASE_STD = 0.02
 
 
-def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
-    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+def block_init_plan(layer_id: int, args: LlamaArgs) -> dict[str, ParamInit]:
+    """How block `layer_id`'s parameters start, by name relative to the block."""
+    depth = layer_id + 1 if args.depth_init else args.n_layers
+    out_std = BASE_STD / math.sqrt(2 * depth)  # wo and w2 write into the residual stream
+    plan = {f"{n}.weight": ParamInit("constant", value=1.0) for n in ("attention_norm", "ffn_norm")}
+    for name in (
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "feed_forward.w1",
+        "feed_forward.w3",
+    ):
+        plan[f"{name}.weight"] = ParamInit.truncated(BASE_STD)
+    for name in ("attention.wo", "feed_forward.w2"):
+        plan[f"{name}.weight"] = ParamInit.truncated(out_std)
+    return plan
 
 
 class Attention(nn.Module):
@@ -51,11 +68,6 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-
-    def init_weights(self, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            _trunc_normal_(linear.weight, BASE_STD)
-        _trunc_normal_(self.wo.weight, out_std)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -82,11 +94,6 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
 
-    def init_weights(self, out_std: float) -> None:
-        _trunc_normal_(self.w1.weight, BASE_STD)
-        _trunc_normal_(self.w3.weight, BASE_STD)
-        _trunc_normal_(self.w2.weight, out_std)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -95,19 +102,15 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.layer_id = layer_id
-        depth = layer_id + 1 if args.depth_init else args.n_layers
-        self.out_init_std = BASE_STD / math.sqrt(2 * depth)
+        self.args = args
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def init_weights(self) -> None:
-        """Initialise this block alone (a pipeline stage inits only the blocks it owns)."""
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.out_init_std)
-        self.feed_forward.init_weights(self.out_init_std)
+    def init_plan(self) -> dict[str, ParamInit]:
+        """This block's parameters, by name relative to the block."""
+        return block_init_plan(self.layer_id, self.args)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cache)
@@ -153,24 +156,43 @@ class Transformer(nn.Module):
         if self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        """Give every parameter and buffer its initial value (see the module docstring).
+    def init_plan(self) -> dict[str, ParamInit]:
+        """How every parameter of the full model starts, by fully qualified name (see the
+        module docstring). Names of blocks a pipeline stage does not hold are included."""
+        plan: dict[str, ParamInit] = {}
+        # Built from the args, not from self.layers, so a stage knows every block's rule.
+        for i in range(self.args.n_layers):
+            plan.update({f"layers.{i}.{n}": p for n, p in block_init_plan(i, self.args).items()})
+        plan["norm.weight"] = ParamInit("constant", value=1.0)
+        if self.args.tie_word_embeddings:
+            # One matrix, one draw, whichever end of a pipeline holds it.
+            shared = ParamInit.truncated(self.args.dim**-0.5, key="output.weight")
+            plan["tok_embeddings.weight"] = plan["output.weight"] = shared
+        else:
+            plan["tok_embeddings.weight"] = ParamInit("normal", std=1.0)
+            plan["output.weight"] = ParamInit.truncated(self.args.dim**-0.5)
+        return plan
 
-        `buffer_device` is where the rope table is computed; by default where it already is.
-        """
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """Recompute the rotary table (a function of args, never checkpointed)."""
         device = buffer_device if buffer_device is not None else self.rope_cache.device
         self.rope_cache = build_rope_cache(self.args, device)
-        tied = self.args.tie_word_embeddings
-        if self.tok_embeddings is not None and not tied:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
-        for block in self.layers.values():
-            block.init_weights()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        # With tied weights the stage holding either end inits the shared matrix the same way.
-        shared = self.output if self.output is not None else (self.tok_embeddings if tied else None)
-        if shared is not None:
-            _trunc_normal_(shared.weight, self.args.dim**-0.5)
+
+    def init_weights(
+        self, buffer_device: torch.device | None = None, *, seed: int | None = None
+    ) -> None:
+        """Give every parameter and buffer its initial value (see the module docstring).
+
+        `seed` defaults to torch's current seed (`torch.manual_seed(s)` then `init_weights()`
+        uses s). Works on plain and on sharded (DTensor) parameters alike, and on a pipeline
+        stage holding only some blocks. `buffer_device` is where the rope table is computed;
+        by default where it already is.
+        """
+        self.init_buffers(buffer_device)
+        seed = torch.initial_seed() if seed is None else seed
+        missing = init_from_plan_(self, self.init_plan(), seed)
+        if missing:
+            raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

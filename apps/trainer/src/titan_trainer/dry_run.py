@@ -1,0 +1,458 @@
+"""`titan-train --dry-run` (torchtitan's `--comm.mode fake_backend`): will this job start, fit
+and load its checkpoint? Answered on a laptop CPU in minutes, before a cluster is booked.
+
+Each distinct rank role (every rank is alike without pipeline parallel; with it, the first and
+last pipeline ranks, or all of them) is simulated in this one process: a fake process group of
+the job's real world size, the model at its full size on fake tensors, the trainer's own
+parallelize path (pipeline stages, TP, AC, FSDP, Float8, CP), its initialisation, optimizer and
+one training step, measured by PyTorch's memory trackers (see
+`titan_parallel.memory_estimate`). Compile is simulated eagerly: compiled code needs the same
+or less memory. Nothing is allocated, nothing is downloaded.
+
+Exit status: 0 the job fits, 2 a config problem, 3 it does not fit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import gc
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import titan_parallel as tp_lib
+from titan_core import (
+    ConfigError,
+    MemoryMonitor,
+    device_memory_gib,
+    plugins,
+    resolve,
+    supports_bf16,
+)
+from titan_parallel.memory_estimate import (
+    GiB,
+    MemoryBreakdown,
+    estimate_init_memory,
+    estimate_step_memory,
+    fake_process_group,
+    fake_tensors,
+    resident_bytes,
+)
+from titan_trainer.checks import model_args_for, parallel_dims_for, preflight_problems
+from titan_trainer.config import JobConfig
+from titan_trainer.optimizer import build_optimizer
+from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
+
+EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
+
+_TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.bfloat16}
+
+
+@dataclass
+class RoleResult:
+    """What one simulated rank needs."""
+
+    role: str
+    rank: int
+    step: MemoryBreakdown
+    init_peak: int
+    checkpoint_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    rss_peak: int | None = None
+    """Measured runs only: the peak by the operating system's count: what persisted before the
+    step plus how far the process's resident set rose during it."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.step.total, self.init_peak)
+
+
+@dataclass
+class Simulation:
+    config: JobConfig
+    world_size: int
+    vocab_size: int
+    roles: list[RoleResult]
+    seconds: float
+
+    @property
+    def worst(self) -> RoleResult:
+        return max(self.roles, key=lambda r: r.peak)
+
+
+# ----------------------------------------------------------------------------- world size
+
+
+def resolve_world_size(config: JobConfig) -> int | None:
+    """`dry_run.world_size`, else the product of the degrees when none is -1, else NGPU."""
+    if config.dry_run.world_size is not None:
+        return config.dry_run.world_size
+    p = config.parallelism
+    if p.data_parallel_shard_degree != -1:
+        return (
+            p.data_parallel_replicate_degree
+            * p.data_parallel_shard_degree
+            * p.context_parallel_degree
+            * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+        )
+    if os.environ.get("NGPU", "").isdigit():
+        return int(os.environ["NGPU"])
+    return None
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _simulation_config(config: JobConfig) -> JobConfig:
+    """The config the simulation runs: compile off (fake tensors cannot be compiled), async TP
+    off (CUDA only; its buffers are small)."""
+    sim = copy.deepcopy(config)
+    sim.compile.enable = False
+    sim.parallelism.enable_async_tensor_parallel = False
+    return sim
+
+
+def rank_roles(config: JobConfig, world_size: int) -> list[tuple[str, int]]:
+    """(description, global rank) of each rank to simulate."""
+    dims = parallel_dims_for(config, world_size)
+    if not dims.pp_enabled:
+        return [("every rank", 0)]
+    per_stage = world_size // dims.pp  # pp is the outermost mesh dimension
+    pp_ranks = range(dims.pp) if config.dry_run.all_ranks else sorted({0, dims.pp - 1})
+    return [(f"pipeline rank {p}", p * per_stage) for p in pp_ranks]
+
+
+def simulate_rank(
+    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str
+) -> RoleResult:
+    """Build, initialise and step rank `rank` of the job on fake tensors; its memory.
+
+    Runs in a fresh process: torch caches decisions about meshes and process groups (DTensor's
+    redistribution plans) that would leak from one simulated rank into the next.
+    """
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_simulate_rank_here, config, world_size, rank, vocab_size, role).result()
+
+
+def _simulate_rank_here(
+    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str
+) -> RoleResult:
+    from titan_core import init_logging
+
+    init_logging(rank=0)
+    with fake_process_group(world_size, rank):
+        return measure_rank(config, world_size, vocab_size, role, fake=True)
+
+
+def measure_rank(
+    config: JobConfig, world_size: int, vocab_size: int, role: str, *, fake: bool
+) -> RoleResult:
+    """This rank's memory for one training step of `config`, in a process group that exists
+    (fake or real): the trainer's own build, initialisation, optimizer and step, measured by
+    the memory tracker. With `fake`, every tensor is fake and nothing is allocated; without,
+    the same runs for real (how the estimate is validated) and the process's resident-set
+    growth over the step is recorded too."""
+    from titan_trainer.train import build_model, cross_entropy_loss
+
+    config = _simulation_config(config)
+    dims = parallel_dims_for(config, world_size)
+    dims.build_mesh("cpu")
+    dtype = _TARGET_DTYPES[config.training.mixed_precision_param]
+    if not fake and dtype == torch.bfloat16 and not supports_bf16(torch.device("cpu")):
+        dtype = torch.float32  # what the trainer itself would compute in here
+    seed = config.training.seed or 0
+    runtime = build_parallel_runtime(
+        config, dims, torch.device("cpu"), dtype, seed, cross_entropy_loss
+    )
+    converters = [
+        resolve(plugins.CONVERTERS, name)(_section(config, name), dims)
+        for name in config.model.converters
+    ]
+    stage_io = (
+        _probe_stage_io(config, runtime, vocab_size, converters, fake) if dims.pp_enabled else None
+    )
+    parts = build_model(config, runtime, vocab_size, converters, stage_io)
+    with fake_tensors() if fake else contextlib.nullcontext():
+        runtime.materialize(parts)
+        init_peak = estimate_init_memory(parts, lambda: runtime.init_weights(parts))
+        optimizer = build_optimizer(parts, config.optimizer)
+        _create_optimizer_state(parts, optimizer)
+        step = _step_fn(config, runtime, parts, optimizer, vocab_size)
+        rss = None if fake else _RSSGrowth()
+        resident = 0 if fake else resident_bytes(parts, optimizer)
+        with rss or contextlib.nullcontext():
+            breakdown = estimate_step_memory(parts, optimizer, step, warmup_steps=0)
+        shapes = _state_shapes(parts)
+    return RoleResult(
+        role,
+        dist.get_rank(),
+        breakdown,
+        init_peak,
+        shapes,
+        None if rss is None else resident + rss.growth,
+    )
+
+
+class _RSSGrowth:
+    """How far the process's resident set rose above its level at entry (Linux)."""
+
+    def __enter__(self) -> _RSSGrowth:
+        gc.collect()
+        self.monitor = MemoryMonitor(torch.device("cpu"))
+        self.monitor.reset_peak()
+        self.start = self.monitor.stats().current_gib
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.growth = int((self.monitor.stats().peak_gib - self.start) * GiB)
+
+
+def _section(config: JobConfig, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return None
+    return node
+
+
+def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool):
+    """What pipeline stages pass each other, from a one-block copy of the model with the same
+    parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
+    spec = resolve(plugins.MODELS, config.model.name)
+    with torch.device("meta"):
+        probe = spec.build(model_args_for(spec, config, vocab_size))
+    for converter in converters:
+        converter.convert(probe)
+    for name in list(probe.layers)[1:]:
+        del probe.layers[name]
+    runtime.parallelize_part(probe)
+    with fake_tensors() if fake else contextlib.nullcontext():
+        runtime.materialize([probe])
+        runtime.init_weights([probe], parameters=False)
+        p = config.parallelism
+        tokens = torch.randint(
+            0,
+            vocab_size,
+            (
+                p.pipeline_parallel_microbatch_size,
+                config.training.seq_len // p.context_parallel_degree,
+            ),
+        )
+        return tp_lib.infer_stage_io(probe, tokens)
+
+
+def _create_optimizer_state(parts, optimizer) -> None:
+    # The measured step should be a steady-state one, with the optimizer's moments already
+    # there during forward and backward; one step on zero gradients creates them.
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> Callable[[], None]:
+    t = config.training
+    dims = runtime.dims
+    accum = (
+        1
+        if t.global_batch_size == -1
+        else t.global_batch_size // (t.local_batch_size * dims.dp_degree)
+    )
+    # Gradients are allocated by the first microbatch and kept: the second one shows the
+    # steady state of accumulation; more would repeat it.
+    microbatches = min(accum, 2)
+    inputs = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
+    labels = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(microbatches):
+            runtime.forward_backward(parts, inputs, labels, scale=1.0 / accum)
+        runtime.clip_grad_norm(parts, t.max_norm)
+        optimizer.step()
+
+    return step
+
+
+def _state_shapes(parts) -> dict[str, tuple[int, ...]]:
+    from titan_core.init import canonical_name
+
+    shapes = {}
+    for part in parts:
+        for name, value in part.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                shapes[canonical_name(name)] = tuple(value.shape)
+    return shapes
+
+
+# ----------------------------------------------------------------------------- the whole job
+
+
+def simulate(config: JobConfig, world_size: int, vocab_size: int) -> Simulation:
+    start = time.perf_counter()
+    roles = [
+        simulate_rank(config, world_size, rank, vocab_size, role)
+        for role, rank in rank_roles(config, world_size)
+    ]
+    return Simulation(config, world_size, vocab_size, roles, time.perf_counter() - start)
+
+
+def device_capacity_gib(config: JobConfig) -> tuple[float, str]:
+    d = config.dry_run
+    if d.device_memory_gib is not None:
+        return (
+            d.device_memory_gib,
+            f"{d.device_memory_gib:g} GiB devices (dry_run.device_memory_gib)",
+        )
+    gib = device_memory_gib(d.device)
+    if gib is None:
+        raise ConfigError(
+            f"[dry_run] device = {d.device!r} is not a device whose memory Titan knows\n"
+            "name one of H100, H200, A100, A100-40GB, B200, GB200, MI300X, ... "
+            "or set dry_run.device_memory_gib"
+        )
+    return gib, f"{d.device} ({gib:g} GiB)"
+
+
+def fits(sim: Simulation, capacity_gib: float, headroom_gib: float) -> bool:
+    return sim.worst.peak / GiB + headroom_gib <= capacity_gib
+
+
+def dry_run(config: JobConfig, out=print) -> int:
+    """Check, simulate and report; the exit status (see the module docstring)."""
+    world_size = resolve_world_size(config)
+    if world_size is None:
+        out(
+            ConfigError(
+                "the dry run needs the job's world size: data_parallel_shard_degree = -1 leaves it open\n"
+                "pass --dry_run.world_size N (or set NGPU)"
+            ).render()
+        )
+        return EXIT_CONFIG
+    try:
+        capacity, capacity_text = device_capacity_gib(config)
+    except ConfigError as e:
+        out(e.render())
+        return EXIT_CONFIG
+    problems, notes, vocab_size = preflight_problems(config, world_size, dry_run=True)
+    if problems:
+        out(ConfigError(problems).render())
+        return EXIT_CONFIG
+
+    out(_header(config, world_size, capacity_text))
+    sim = simulate(config, world_size, vocab_size)
+    problems += _checkpoint_problems(config, sim, notes)
+    out(_table(sim))
+    headroom = config.dry_run.headroom_gib
+    ok = fits(sim, capacity, headroom)
+    worst = sim.worst.peak / GiB
+    if ok:
+        out(
+            f"verdict: fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank"
+            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
+        )
+    else:
+        out(
+            f"verdict: does not fit by {worst + headroom - capacity:.1f} GiB"
+            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
+        )
+    for note in notes:
+        out(f"note: {note}")
+    out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
+    if problems:
+        out(ConfigError(problems).render())
+        return EXIT_CONFIG
+    if not ok:
+        if config.dry_run.suggest:
+            from titan_trainer.dry_run_suggest import suggest_changes
+
+            out("changes that make it fit (cheapest first), each simulated:")
+            suggest_changes(config, sim, capacity, headroom, out)
+        return EXIT_DOES_NOT_FIT
+    return EXIT_FITS
+
+
+def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
+    from titan_trainer.train import layout_text
+
+    dims = parallel_dims_for(config, world_size)
+    t = config.training
+    dtype = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
+    extra = [f"AC {config.activation_checkpoint.mode}"]
+    if config.model.converters:
+        extra.append(", ".join(config.model.converters))
+    if dims.pp_enabled:
+        extra.append(f"{config.parallelism.pipeline_parallel_schedule} schedule")
+    return (
+        f"titan dry run: {config.model.name} {config.model.flavor} on {world_size} x {capacity_text}\n"
+        f"layout {layout_text(dims)} | seq {t.seq_len} | local batch {t.local_batch_size}"
+        f" | {dtype} | {' | '.join(extra)}\n"
+        "simulated on fake tensors of the real size (no memory used); compile runs eagerly here"
+    )
+
+
+def _table(sim: Simulation) -> str:
+    cols = ("parameters", "gradients", "optimizer", "activations", "temporaries", "communication")
+    head = (
+        f"{'rank role':<20}"
+        + "".join(f"{c[:11]:>12}" for c in cols)
+        + f"{'step peak':>12}{'init peak':>12}"
+    )
+    lines = [head + "   (GiB)"]
+    for r in sim.roles:
+        values = r.step.gib()
+        lines.append(
+            f"{r.role:<20}"
+            + "".join(f"{values[c]:>12.2f}" for c in cols)
+            + f"{r.step.total / GiB:>12.2f}{r.init_peak / GiB:>12.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -> list[str]:
+    """Whether the checkpoint this run would resume from loads into this layout."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return []
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
+    check = getattr(factory, "check_loadable", None)
+    if check is None:
+        notes.append(f"checkpointer {ckpt.checkpointer!r} cannot check a checkpoint offline")
+        return []
+    expected: dict[str, tuple[int, ...]] = {}
+    for role in sim.roles:
+        expected.update(role.checkpoint_shapes)
+    problems, note = check(ckpt, config.job.dump_folder, expected)
+    notes.append(note)
+    return problems
+
+
+def main_dry_run(config: JobConfig) -> int:
+    status = dry_run(config, out=lambda text: print(text, flush=True))
+    sys.stdout.flush()
+    return status
+
+
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_DOES_NOT_FIT",
+    "EXIT_FITS",
+    "RoleResult",
+    "Simulation",
+    "dry_run",
+    "rank_roles",
+    "resolve_world_size",
+    "simulate",
+    "simulate_rank",
+]

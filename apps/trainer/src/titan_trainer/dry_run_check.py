@@ -1,0 +1,126 @@
+"""How good is the dry run's memory estimate? Predicted versus measured, per rank, for small
+layouts on real CPU process groups.
+
+For one layout (a config and a world size) this runs the dry run's simulation of every rank
+role, then the same build and step for real: `world_size` processes in a gloo group, real
+tensors, the same memory tracker, plus the operating system's count (the resident set). Used by
+`bench/memory_predictor.py` (the table in the trainer README) and by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from titan_parallel.memory_estimate import GiB
+from titan_trainer.checks import parallel_dims_for
+from titan_trainer.config import JobConfig
+from titan_trainer.dry_run import RoleResult, rank_roles, simulate_rank
+
+
+@dataclass
+class Comparison:
+    layout: str
+    world_size: int
+    role: str
+    rank: int
+    predicted: int
+    """Bytes at the step's peak, from the fake-tensor simulation."""
+    measured: int
+    """Bytes at the step's peak, the same tracker on real tensors in a real process group."""
+    measured_rss: int
+    """Bytes at the step's peak by the operating system (resident set)."""
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction against the measured peak."""
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def rss_error(self) -> float:
+        return (self.predicted - self.measured_rss) / self.measured_rss
+
+    def row(self) -> dict:
+        return {
+            "layout": self.layout,
+            "world_size": self.world_size,
+            "role": self.role,
+            "predicted_gib": round(self.predicted / GiB, 4),
+            "measured_gib": round(self.measured / GiB, 4),
+            "measured_rss_gib": round(self.measured_rss / GiB, 4),
+            "error_pct": round(100 * self.error, 2),
+            "rss_error_pct": round(100 * self.rss_error, 2),
+        }
+
+
+def compare_layout(
+    name: str, config: JobConfig, world_size: int, vocab_size: int
+) -> list[Comparison]:
+    """Predicted and measured peaks of every rank role of `config` on `world_size` ranks."""
+    roles = rank_roles(config, world_size)
+    predicted = {
+        rank: simulate_rank(config, world_size, rank, vocab_size, role) for role, rank in roles
+    }
+    measured = measure_real(config, world_size, vocab_size)
+    return [
+        Comparison(
+            name,
+            world_size,
+            role,
+            rank,
+            predicted[rank].step.total,
+            measured[rank].step.total,
+            measured[rank].rss_peak,
+        )
+        for role, rank in roles
+    ]
+
+
+def measure_real(config: JobConfig, world_size: int, vocab_size: int) -> dict[int, RoleResult]:
+    """Every rank's measured step memory, from `world_size` real gloo processes."""
+    parallel_dims_for(config, world_size)  # a bad layout fails here, not in the workers
+    # glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap,
+    # so the resident set would count memory no tensor holds; a fixed threshold returns large
+    # blocks at once and makes the resident set a fair second measurement.
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(
+                _worker,
+                args=(world_size, config, vocab_size, tmp),
+                nprocs=world_size,
+                start_method="spawn",
+            )
+            return {
+                rank: pickle.loads(Path(tmp, f"rank{rank}.pkl").read_bytes())
+                for rank in range(world_size)
+            }
+    finally:
+        if previous is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+
+
+def _worker(rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp: str) -> None:
+    from titan_core import init_logging
+    from titan_trainer.dry_run import measure_rank
+
+    init_logging(rank=rank)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size
+    )
+    try:
+        result = measure_rank(config, world_size, vocab_size, f"rank {rank}", fake=False)
+        result.checkpoint_shapes = {}
+        Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    finally:
+        dist.destroy_process_group()

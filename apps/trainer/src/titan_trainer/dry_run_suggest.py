@@ -1,0 +1,129 @@
+"""When a job does not fit: the changes that would make it fit, each simulated.
+
+Candidates are tried in order of what they cost the run (recomputation first, then numerics,
+then smaller steps, then more communication, then more GPUs); each one that is valid for this
+model and layout is simulated on the rank that needed the most memory, and reported with its
+own peak.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from titan_parallel.memory_estimate import GiB
+from titan_trainer.checks import parallel_dims_for, preflight_problems
+from titan_trainer.config import JobConfig
+
+FLOAT8 = "quantize.linear.float8"
+
+
+@dataclass(frozen=True)
+class Change:
+    label: str
+    apply: Callable[[JobConfig, int], tuple[JobConfig, int] | None]
+    """(changed config, world size), or None when the change does not apply here."""
+
+
+def _ac(mode: str, option: str = "op") -> Callable:
+    order = {"none": 0, "selective": 1, "full": 2}
+
+    def apply(config: JobConfig, world: int):
+        current = config.activation_checkpoint
+        if order[current.mode] >= order[mode]:
+            return None
+        changed = copy.deepcopy(config)
+        changed.activation_checkpoint.mode = mode
+        changed.activation_checkpoint.selective_ac_option = option
+        return changed, world
+
+    return apply
+
+
+def _float8(config: JobConfig, world: int):
+    if FLOAT8 in config.model.converters:
+        return None
+    changed = copy.deepcopy(config)
+    changed.model.converters = [*config.model.converters, FLOAT8]
+    return changed, world
+
+
+def _half_batch(config: JobConfig, world: int):
+    t = config.training
+    if t.local_batch_size < 2 or t.local_batch_size % 2:
+        return None
+    dims = parallel_dims_for(config, world)
+    changed = copy.deepcopy(config)
+    changed.training.local_batch_size = t.local_batch_size // 2
+    if t.global_batch_size == -1:  # keep the step's batch: accumulate two microbatches
+        changed.training.global_batch_size = t.local_batch_size * dims.dp_degree
+    return changed, world
+
+
+def _trade_shard_for(key: str) -> Callable:
+    """Double tensor or context parallel, taking the ranks from FSDP (same world size)."""
+
+    def apply(config: JobConfig, world: int):
+        dims = parallel_dims_for(config, world)
+        if dims.dp_shard % 2:
+            return None
+        changed = copy.deepcopy(config)
+        p = changed.parallelism
+        setattr(p, key, getattr(p, key) * 2)
+        p.data_parallel_shard_degree = dims.dp_shard // 2
+        return changed, world
+
+    return apply
+
+
+def _more_gpus(config: JobConfig, world: int):
+    dims = parallel_dims_for(config, world)
+    changed = copy.deepcopy(config)
+    changed.parallelism.data_parallel_shard_degree = dims.dp_shard * 2
+    return changed, world * 2
+
+
+CHANGES = [
+    Change("activation checkpointing: selective (op)", _ac("selective")),
+    Change("activation checkpointing: full", _ac("full")),
+    Change("Float8 linear layers (model.converters += quantize.linear.float8)", _float8),
+    Change("half the local batch, same global batch (gradient accumulation)", _half_batch),
+    Change("tensor parallel x2 (from the FSDP degree)", _trade_shard_for("tensor_parallel_degree")),
+    Change(
+        "context parallel x2 (from the FSDP degree)", _trade_shard_for("context_parallel_degree")
+    ),
+    Change("twice the GPUs (FSDP degree x2)", _more_gpus),
+]
+
+
+def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: float, out) -> None:
+    """Simulate each applicable change on the fullest rank role and print one line each."""
+    from titan_trainer.dry_run import simulate_rank
+
+    worst = sim.worst
+    pp_index = _pp_index(config, sim.world_size, worst.rank)
+    best = None
+    for change in CHANGES:
+        result = change.apply(config, sim.world_size)
+        if result is None:
+            continue
+        changed, world = result
+        problems, _, _ = preflight_problems(changed, world, dry_run=True)
+        if problems:
+            out(f"  - {change.label}: not possible here ({problems[0].splitlines()[0]})")
+            continue
+        rank = pp_index * (world // parallel_dims_for(changed, world).pp)
+        role = simulate_rank(changed, world, rank, sim.vocab_size, worst.role)
+        peak = role.peak / GiB
+        free = capacity_gib - peak - headroom_gib
+        verdict = f"fits, {free:.1f} GiB free" if free >= 0 else f"short by {-free:.1f} GiB"
+        out(f"  - {change.label}: peak {peak:.1f} GiB, {verdict}")
+        if free >= 0 and best is None:
+            best = change.label
+    out(f"cheapest change that fits: {best}" if best else "no single change fits; combine them")
+
+
+def _pp_index(config: JobConfig, world: int, rank: int) -> int:
+    dims = parallel_dims_for(config, world)
+    return rank // (world // dims.pp)
