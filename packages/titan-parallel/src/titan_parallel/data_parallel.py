@@ -3,8 +3,9 @@
 FSDP wraps each block of `model.layers` on its own, so that only one block's full parameters
 exist at a time, then the modules before and after the blocks, then the root (which holds
 whatever is left). Modules that share a parameter (a tied embedding and output projection)
-are wrapped as one group, since a parameter can belong to one FSDP group only. Gradients are averaged over the mesh (reduce-scattered for FSDP, and also
-all-reduced across replicas for HSDP).
+are wrapped as one group, since a parameter can belong to one FSDP group only. Gradients are
+averaged over the mesh (reduce-scattered for FSDP, and also all-reduced across replicas for
+HSDP).
 """
 
 from __future__ import annotations
