@@ -23,12 +23,28 @@ def reference_losses(tmp_path_factory, same_doc_dataset):
         ],
         same_doc_dataset,
     )
-    result = run_cli([*args, "--training.global_batch_size", "8"])
+    result = run_cli([*args, *_validation(same_doc_dataset), "--training.global_batch_size", "8"])
     assert result.returncode == 0, result.stdout + result.stderr
-    return parse_losses(result.stdout)
+    return parse_losses(result.stdout), _validation_losses(result.stdout)
 
 
-def test_fsdp2_x_tp2_on_4_processes_matches_one_process(
+def _validation(dataset: str) -> list[str]:
+    # Validation on the same identical samples: its loss cannot depend on how they are split.
+    return [
+        *("--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"),
+        *("--validation.dataset", dataset, "--validation.local_batch_size", "4"),
+    ]
+
+
+def _validation_losses(stdout: str) -> dict[int, float]:
+    return {
+        int(line.split("step")[1].split("|")[0]): float(line.split("validation loss")[1])
+        for line in stdout.splitlines()
+        if "| validation loss" in line
+    }
+
+
+def test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process(
     debug_args, reference_losses, same_doc_dataset
 ):
     # 2 data-parallel ranks x local batch 4 = the reference's global batch of 8, same samples.
@@ -39,10 +55,12 @@ def test_fsdp2_x_tp2_on_4_processes_matches_one_process(
             "2",
             "--parallelism.tensor_parallel_degree",
             "2",
+            *_validation(same_doc_dataset),
         ],
         nproc=4,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reference_losses, reference_validation = reference_losses
     losses = parse_losses(result.stdout)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in losses.items():
@@ -51,3 +69,8 @@ def test_fsdp2_x_tp2_on_4_processes_matches_one_process(
         assert loss == pytest.approx(reference_losses[step], abs=2e-4), step
     # The identical samples are memorised fast: the comparison covers a moving loss.
     assert losses[STEPS] < losses[1] - 0.5
+    # Validation under FSDP x TP (its collectives included) gives the one-process numbers.
+    validation = _validation_losses(result.stdout)
+    assert sorted(validation) == sorted(reference_validation) == [2, 4]
+    for step, loss in validation.items():
+        assert loss == pytest.approx(reference_validation[step], abs=2e-4), step

@@ -70,7 +70,7 @@ def test_kinds_constant_uniform_normal():
     init_parameter_(t, ParamInit("constant", value=1.5), seed=0, key="n")
     assert torch.all(t == 1.5)
     init_parameter_(t, ParamInit("uniform", a=-0.5, b=0.25), seed=0, key="u")
-    assert -0.5 <= t.min().item() and t.max().item() <= 0.25
+    assert t.min().item() >= -0.5 and t.max().item() <= 0.25
     init_parameter_(t, ParamInit("normal", mean=2.0, std=0.1), seed=0, key="g")
     assert t.mean().item() == pytest.approx(2.0, abs=0.02)
     with pytest.raises(ValueError, match="unknown ParamInit kind"):

@@ -233,5 +233,5 @@ def test_spec_is_found_through_the_entry_point_and_meets_the_protocols():
     )
     assert isinstance(tokenizer, Tokenizer) and isinstance(built, StatefulLoader)
     inputs, labels = next(iter(built))
-    first = pydocs_documents()[0].encode()
+    first = pydocs_documents("train")[0].encode()
     assert inputs[0].tolist() == [BYTE.bos_id, *first[:7]]

@@ -21,7 +21,19 @@ def test_pydocs_is_real_english_deterministic_and_deduplicated():
     joined = "\n".join(documents)
     for phrase in ("The ", " is ", " the ", "Return "):
         assert joined.count(phrase) > 500
-    assert texts(load_source("pydocs")) == list(documents)
+    assert texts(load_source("pydocs")) == list(pydocs_documents("train"))
+
+
+def test_pydocs_validation_split_is_held_out_from_training():
+    train, validation = pydocs_documents("train"), pydocs_documents("validation")
+    assert not set(train) & set(validation)
+    assert sorted(train + validation) == sorted(pydocs_documents())
+    # About a tenth of the text: enough for a few validation batches of 8 x 2048 bytes.
+    share = sum(map(len, validation)) / sum(map(len, pydocs_documents()))
+    assert 0.05 < share < 0.2, share
+    assert texts(load_source("pydocs_validation")) == list(validation)
+    with pytest.raises(ValueError, match="unknown pydocs split 'test'"):
+        pydocs_documents("test")
 
 
 def test_jsonl_file_folder_glob_and_format_name_read_the_same_documents(
@@ -77,7 +89,11 @@ def test_unknown_dataset_lists_the_known_names():
         load_source("nonsense")
     message = str(err.value)
     assert "unknown dataset 'nonsense'" in message
-    assert "pydocs, c4" in message and "owner/name" in message and "parquet" in message
+    assert (
+        "pydocs, pydocs_validation, c4" in message
+        and "owner/name" in message
+        and "parquet" in message
+    )
 
 
 def test_missing_paths_and_empty_folders_are_named(tmp_path):

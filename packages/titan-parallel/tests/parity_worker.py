@@ -2,7 +2,7 @@
 
 `run_cases(world_size, cases)` spawns the ranks, each of which loops over `cases`, and returns
 rank 0's results: per case the global losses, gradient norms and the final full parameters
-(or the error text). `reference(case)` runs the same steps in this one process, unsharded.
+(or the error text). `reference(model_name)` runs the same steps in this one process, unsharded.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpt2_usermodel import GPT2
 from parallel_testmodel import TinyArgs, TinyTransformer, cross_entropy
 
 SEED = 1234
@@ -41,7 +42,12 @@ class Case:
     compile: bool = False
     compile_backend: str = "aot_eager"
     param_dtype: str = "float32"
+    model: str = "tiny"
+    """`tiny` (parallel_testmodel) or `gpt2` (a user's GPT-2-style model with tied embeddings)."""
     extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+
+MODELS = {"tiny": TinyTransformer, "gpt2": GPT2}
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,9 +67,17 @@ def state_vector(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: _full(v).detach().float().clone() for k, v in model.state_dict().items()}
 
 
-def reference(case: Case) -> dict:
+def shared_names(model: torch.nn.Module) -> list[list[str]]:
+    """Names of each parameter object held under more than one name (tied weights)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return sorted(group for group in names.values() if len(group) > 1)
+
+
+def reference(model_name: str = "tiny") -> dict:
     """The same training steps, unsharded, in this one process."""
-    model = TinyTransformer()
+    model = MODELS[model_name]()
     torch.manual_seed(SEED)
     model.init_weights()
     initial = state_vector(model)
@@ -77,10 +91,20 @@ def reference(case: Case) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "initial": initial, "params": state_vector(model)}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "initial": initial,
+        "params": state_vector(model),
+        "tied": shared_names(model),
+    }
 
 
 def run_case(case: Case) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from titan_core.config import ConfigError
+    from titan_core.protocols import TPPlan
     from titan_parallel import (
         ActivationCheckpoint,
         Compile,
@@ -103,16 +127,31 @@ def run_case(case: Case) -> dict:
     dims = cfg.build_parallel_dims(dist.get_world_size())
     dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = TinyTransformer()
-    parallelize(
-        model,
-        dims,
-        parallelism=cfg,
-        ac=ActivationCheckpoint(mode=case.ac, selective_ac_option=case.ac_option),
-        compile=Compile(enable=case.compile, backend=case.compile_backend),
-        param_dtype=getattr(torch, case.param_dtype),
-        cpu_offload=case.cpu_offload,
-    )
+        model = MODELS[case.model]()
+    plan = None
+    if case.extra.get("plan") == "tied_output_left_whole":
+        # The tied embedding split by vocabulary, its other holder (the output) not split.
+        full = model.tp_plan()
+        plan = TPPlan(
+            root={"wte": "embedding"}, block=full.block, divisible_by_tp=full.divisible_by_tp
+        )
+    try:
+        parallelize(
+            model,
+            dims,
+            plan,
+            parallelism=cfg,
+            ac=ActivationCheckpoint(mode=case.ac, selective_ac_option=case.ac_option),
+            compile=Compile(enable=case.compile, backend=case.compile_backend),
+            param_dtype=getattr(torch, case.param_dtype),
+            cpu_offload=case.cpu_offload,
+        )
+    except ConfigError as e:
+        # Refused before anything changed: no parameter split, no module wrapped.
+        untouched = type(model) is MODELS[case.model] and not any(
+            isinstance(p, DTensor) for p in model.parameters()
+        )
+        return {"rejected": str(e), "untouched": untouched, "tied": shared_names(model)}
     model.to_empty(device="cpu")
     init_weights_exact(model, SEED)
     initial = state_vector(model)
@@ -138,6 +177,7 @@ def run_case(case: Case) -> dict:
         "initial": initial,
         "params": state_vector(model),
         "seconds": time.perf_counter() - t0,
+        "tied": shared_names(model),
     }
     if case.extra.get("memory"):
         out["memory"] = local_bytes(model, opt)

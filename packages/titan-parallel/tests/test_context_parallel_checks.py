@@ -111,3 +111,29 @@ def test_buffers_that_are_views_of_one_window_are_refused():
     context = cp.cp_context(None, [inputs, labels], [1, 1])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="buffers 0 and 1 share one storage"):
         context.__enter__()
+
+
+def test_every_private_torch_name_is_found_at_import_on_this_torch():
+    assert cp.check_cp_support() == []
+    assert len(cp._FOUND) == len(cp._PRIVATE_NAMES) and cp._MISSING == []
+
+
+def test_a_torch_without_one_of_the_private_names_is_named_with_the_supported_versions(
+    monkeypatch,
+):
+    from titan_parallel.config import Parallelism
+
+    ring = cp._cp_internals()
+    monkeypatch.delattr(ring, "_templated_ring_attention_backward")
+    _, missing = cp._find_private_names()  # what the import-time lookup finds on such a torch
+    assert missing == [f"{cp._RING}._templated_ring_attention_backward"]
+    monkeypatch.setattr(cp, "_MISSING", missing)
+    (problem,) = cp.check_cp_support()
+    assert "checked with torch 2.13 to 2.15" in problem
+    assert f"lacks internals it uses: {cp._RING}._templated_ring_attention_backward" in problem
+    assert "install torch>=2.13,<2.16, or set [parallelism] context_parallel_degree = 1" in problem
+    # The config check reports it before any process group exists, only when CP is on.
+    assert problem in Parallelism(context_parallel_degree=2).validate()
+    assert Parallelism().validate() == []
+    with pytest.raises(RuntimeError, match="lacks internals"):
+        cp.enable_cpu_ring_attention()

@@ -359,20 +359,6 @@ def cp_model_case(
     }
 
 
-# ----------------------------------------------------------------------------- the documented example
-
-DOC = Path(__file__).parents[1] / "docs" / "pipeline_and_context_parallel.md"
-
-
-def doc_example_case(ctx: dict) -> dict:
-    """Run the doc's example (both halves) exactly as written, in this process group."""
-    text = DOC.read_text()
-    code = text.split("```python\n", 1)[1].split("```", 1)[0]
-    namespace: dict = {"__name__": "doc_example"}
-    exec(compile(code, str(DOC), "exec"), namespace)
-    return {"pp": namespace["train_pipeline"](), "cp": namespace["train_context_parallel"]()}
-
-
 # ----------------------------------------------------------------------------- the spawns
 
 
@@ -432,7 +418,6 @@ def cases(world: int) -> dict[str, tuple]:
             (),
             {"schedule": "GPipe", "layers_per_stage": 2},
         )
-        out["doc_example"] = (doc_example_case, (), {})
         out["err_csv_with_comms"] = (pp_csv_with_comms_error_case, (), {})
         out["err_csv_missing"] = (pp_error_case, (), {"csv_path": "/nonexistent/schedule.csv"})
     else:
@@ -657,11 +642,3 @@ def test_cp_composes_with_fsdp_and_tp(results, world, case):
     for r in _ok(results[world][case]):
         assert r["loss_err"] < CP_TOL
         assert r["grad_err"] < CP_TOL
-
-
-def test_documented_example_trains_with_pipeline_and_context_parallel(results):
-    reports = _ok(results[2]["doc_example"])
-    for key in ("pp", "cp"):
-        losses = reports[0][key]
-        assert all(r[key] == losses for r in reports)  # every rank reports the same step loss
-        assert losses[-1] < losses[0] - 0.1, losses  # and five steps on one batch learn something

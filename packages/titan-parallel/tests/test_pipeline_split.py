@@ -176,3 +176,18 @@ def test_schedule_table_names_every_schedule_torch_offers():
     assert set(SCHEDULES) == offered
     for name in SCHEDULES:
         assert schedules.get_schedule_class(name).__name__ == f"Schedule{name}"
+
+
+def test_a_tied_weight_split_across_stages_is_refused_before_any_stage_is_built():
+    model = meta_net(n_layers=4)
+    model.output.weight = model.tok_embeddings.weight  # tied, as in Llama 3.2 1B or GPT-2
+    split = split_by_layers(model, 2)
+    with pytest.raises(ConfigError) as e:
+        build_stage_modules(model, split, [0])
+    message = str(e.value)
+    assert "tok_embeddings.weight and output.weight are one tied parameter" in message
+    assert "tok_embeddings.weight (stage 0), output.weight (stage 1)" in message
+    assert "untie the weights" in message
+    # One stage holding both ends keeps the tie, so it is allowed.
+    (whole,) = build_stage_modules(model, split_by_layers(model, 1), [0])
+    assert whole.output.weight is whole.tok_embeddings.weight

@@ -100,14 +100,19 @@ def check_config(config: JobConfig, world_size: int) -> None:
             f" degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}\n"
             "gradient accumulation needs a whole number of microbatches; use a multiple, or -1"
         )
-    if (
-        t.seq_len > 0
-        and config.validation.enable
-        and config.validation.seq_len % dims.seq_len_divisor
-    ):
-        problems.append(
-            f"[validation] seq_len = {config.validation.seq_len} must divide by {dims.seq_len_divisor}"
-        )
+    v = config.validation
+    if t.seq_len > 0 and v.enable and v.seq_len != -1:
+        if v.seq_len % dims.seq_len_divisor:
+            problems.append(
+                f"[validation] seq_len = {v.seq_len} must divide by {dims.seq_len_divisor}"
+            )
+        if v.seq_len > t.seq_len or (dims.cp > 1 and v.seq_len != t.seq_len):
+            problems.append(
+                f"[validation] seq_len = {v.seq_len} must be {'equal to' if dims.cp > 1 else 'at most'}"
+                f" [training] seq_len = {t.seq_len} (the model's positional table is that long"
+                f"{'; context parallel shards it with the batch' if dims.cp > 1 else ''})\n"
+                "use -1 to validate at the training sequence length"
+            )
     if config.validation.enable and dims.pp_enabled:
         problems.append(
             "[validation] enable = true does not work with pipeline parallel yet\n"

@@ -196,14 +196,17 @@ class Profiling:
 class Validation:
     enable: bool = False
     """Evaluate the loss on held-out data during training."""
-    dataset: str = "pydocs"
-    """Dataset to evaluate on (same forms as training.dataset)."""
+    dataset: str = "pydocs_validation"
+    """Dataset to evaluate on (same forms as training.dataset). The default is the held-out
+    split of the embedded corpus, which training on `pydocs` never reads; name your own
+    held-out data when training on anything else."""
     dataset_path: str | None = None
     """Local copy of the validation dataset."""
     local_batch_size: int = 8
     """Samples per data-parallel rank per validation step."""
-    seq_len: int = 2048
-    """Tokens per validation sample."""
+    seq_len: int = -1
+    """Tokens per validation sample; -1 uses training.seq_len. At most training.seq_len (the
+    model's positional table is that long), and equal to it under context parallel."""
     freq: int = 500
     """Validate every this many steps."""
     steps: int = 10

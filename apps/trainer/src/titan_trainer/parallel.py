@@ -33,6 +33,7 @@ class ParallelRuntime:
     pipeline: tp_lib.Pipeline | None = field(default=None, repr=False)
     autocast: torch.dtype | None = None
     _scale: float = 1.0
+    _cp_buffers: list[dict[str, int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ build
     def parallelize(
@@ -70,7 +71,7 @@ class ParallelRuntime:
             None if (self._fsdp_mixed_precision or self.dtype == torch.float32) else self.dtype
         )
         if self.dims.cp_enabled:
-            tp_lib.enable_cpu_ring_attention()
+            self._cp_buffers = [_cp_buffers(part) for part in parts]
         return parts
 
     @property
@@ -145,13 +146,17 @@ class ParallelRuntime:
     def _contexts(self, parts, inputs, labels) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         if self.dims.cp_enabled:
-            # Shard the batch and each part's rope table along the sequence for this step.
-            ropes = [part.rope_cache for part in parts]
+            # Shard the batch and each part's positional buffers along the sequence for this step.
+            buffers = [
+                (part.get_buffer(name), dim)
+                for part, names in zip(parts, self._cp_buffers)
+                for name, dim in names.items()
+            ]
             stack.enter_context(
                 tp_lib.cp_context(
                     self.dims.mesh("cp"),
-                    [inputs, labels, *ropes],
-                    [1, 1, *([0] * len(ropes))],
+                    [inputs, labels, *(b for b, _ in buffers)],
+                    [1, 1, *(d for _, d in buffers)],
                     {inputs, labels},
                     rotate_method=self.config.parallelism.context_parallel_rotate_method,
                 )
@@ -170,6 +175,27 @@ class ParallelRuntime:
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
         return tp_lib.dist_mean(loss, self.dims.mesh("dp_cp"))
+
+
+def _cp_buffers(part: nn.Module) -> dict[str, int]:
+    """The part's sequence-indexed buffers (`ParallelizableModel.cp_buffers`), checked."""
+    if not callable(getattr(part, "cp_buffers", None)):
+        raise TypeError(
+            f"{type(part).__name__} has no cp_buffers(); context parallel needs it to know which"
+            " buffers run along the sequence (see titan_core.protocols.ParallelizableModel)\n"
+            "add `def cp_buffers(self): return {}` (or the positional tables with their sequence"
+            " dimension), or set [parallelism] context_parallel_degree = 1"
+        )
+    buffers = dict(part.cp_buffers())
+    known = {name for name, _ in part.named_buffers()}
+    unknown = sorted(set(buffers) - known)
+    if unknown:
+        raise ValueError(
+            f"{type(part).__name__}.cp_buffers() names {', '.join(unknown)}, which"
+            f" {'is not a buffer' if len(unknown) == 1 else 'are not buffers'} of the model"
+            f" (its buffers: {', '.join(sorted(known)) or 'none'})"
+        )
+    return buffers
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

@@ -247,7 +247,7 @@ def _train(config: JobConfig, info) -> TrainResult:
     start_step = state.step
     stopped_early = False
     validator = (
-        Validator(config.validation, data, tokenizer, dp_rank, dp_world)
+        Validator(config.validation, data, tokenizer, dp_rank, dp_world, config.training.seq_len)
         if config.validation.enable
         else None
     )

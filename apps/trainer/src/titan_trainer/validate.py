@@ -12,15 +12,16 @@ log = get_logger("validate")
 
 class Validator:
     """Evaluates the mean loss over the first `steps` batches of the validation dataset (the
-    same batches every time, so the numbers are comparable across the run)."""
+    same batches every time, so the numbers are comparable across the run). By default that
+    is `pydocs_validation`, the part of the embedded corpus that `pydocs` training never reads."""
 
-    def __init__(self, cfg, data, tokenizer, dp_rank: int, dp_world: int):
+    def __init__(self, cfg, data, tokenizer, dp_rank: int, dp_world: int, train_seq_len: int):
         self.cfg = cfg
         self.build = lambda: data.build_dataloader(
             dataset=cfg.dataset,
             dataset_path=cfg.dataset_path,
             tokenizer=tokenizer,
-            seq_len=cfg.seq_len,
+            seq_len=cfg.seq_len if cfg.seq_len != -1 else train_seq_len,
             batch_size=cfg.local_batch_size,
             dp_rank=dp_rank,
             dp_world_size=dp_world,
@@ -34,19 +35,23 @@ class Validator:
     def run(self, runtime, model_parts) -> float:
         for part in model_parts:
             part.eval()
-        total = torch.zeros((), dtype=torch.float64)
+        # Everything that meets a collective lives on the training device: NCCL reduces GPU
+        # tensors only, gloo both.
+        device = runtime.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
         count = 0
         batches = iter(self.build())
         while self.cfg.steps == -1 or count < self.cfg.steps:
             batch = next(batches, None)
-            # Every rank must run the same number of forwards (FSDP and TP gather inside them).
-            more = torch.tensor([0 if batch is None else 1])
+            # Every rank must run the same number of forwards (FSDP and TP gather inside them),
+            # so all stop as soon as one runs out of data.
+            more = torch.tensor(0 if batch is None else 1, device=device)
             if dist.is_initialized():
                 dist.all_reduce(more, op=dist.ReduceOp.MIN)
             if not more.item():
                 break
-            inputs, labels = (t.to(runtime.device) for t in batch)
-            total += runtime.eval_loss(model_parts, inputs, labels).double().cpu()
+            inputs, labels = (t.to(device) for t in batch)
+            total += runtime.eval_loss(model_parts, inputs, labels).float()
             count += 1
         for part in model_parts:
             part.train()

@@ -65,6 +65,13 @@ class ParallelizableModel(Protocol):
 
     def tp_plan(self) -> TPPlan: ...
 
+    def cp_buffers(self) -> Mapping[str, int]:
+        """Buffers indexed by sequence position (a rotary or positional table), by name as in
+        `named_buffers()`, with the dimension that runs along the sequence, e.g.
+        `{"rope_cache": 0}`; `{}` when there are none. Context parallel cuts them along that
+        dimension together with the tokens, so each rank sees the rows of its own positions;
+        each must be exactly as long as the training sequence."""
+
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Give every parameter and buffer its initial value (after `to_empty`)."""
 

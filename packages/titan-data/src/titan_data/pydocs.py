@@ -4,6 +4,11 @@ Documents are the `pydoc_data.topics` help texts (the language reference behind 
 followed by one document per standard-library module made of its docstrings. Nothing is
 downloaded or cached on disk; the corpus takes about a second to build once per process and
 holds roughly 1.4 MB of text (the exact content follows the Python version).
+
+It has two disjoint splits: `validation` holds one document in `VALIDATION_ONE_IN` (about 10%
+of the text), chosen by a hash of the document's text, so the choice does not depend on the
+documents' order and a document stays on its side when others change; `train` holds the rest.
+The dataset names `pydocs` and `pydocs_validation` read them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import importlib
 import inspect
 import sys
 import warnings
+import zlib
+from typing import Literal
 
 # Modules whose import has side effects (opens a browser, prints, changes the terminal) or
 # that are test/tooling code rather than documentation.
@@ -71,9 +78,30 @@ def _module_document(name: str, seen: set[str]) -> str:
     return "\n\n".join(parts)
 
 
+VALIDATION_ONE_IN = 8
+"""The validation split holds the documents whose CRC-32 is a multiple of this."""
+
+Split = Literal["all", "train", "validation"]
+
+
+def _in_validation(document: str) -> bool:
+    return zlib.crc32(document.encode()) % VALIDATION_ONE_IN == 0
+
+
 @functools.cache
-def pydocs_documents() -> tuple[str, ...]:
-    """The corpus, in a fixed order, without duplicate texts."""
+def pydocs_documents(split: Split = "all") -> tuple[str, ...]:
+    """The corpus (`all`), or one of its disjoint splits (`train`, `validation`), in a fixed
+    order, without duplicate texts."""
+    if split == "all":
+        return _all_documents()
+    if split not in ("train", "validation"):
+        raise ValueError(f"unknown pydocs split {split!r}; use all, train or validation")
+    held_out = split == "validation"
+    return tuple(doc for doc in _all_documents() if _in_validation(doc) == held_out)
+
+
+@functools.cache
+def _all_documents() -> tuple[str, ...]:
     from pydoc_data.topics import topics
 
     seen: set[str] = set()

@@ -2,7 +2,8 @@
 Hugging Face `IterableDataset` with a text column.
 
 Forms of `dataset` (with `dataset_path`):
-- `pydocs`: the embedded corpus (see `titan_data.pydocs`); no path.
+- `pydocs`: the embedded corpus's training split (see `titan_data.pydocs`); no path.
+- `pydocs_validation`: its held-out split, disjoint from `pydocs`; no path.
 - `c4`: `allenai/c4`, config `en`, split `train`, streamed from the hub; with `dataset_path`
   the local copy at that path is read instead (a clone of the hub repository or a folder of
   its json.gz files), through the same `load_dataset` call.
@@ -35,7 +36,8 @@ class HubDataset:
 HUB_DATASETS = {"c4": HubDataset("allenai/c4", "en", "train", "text")}
 """Short names for hub datasets, as torchtitan users know them."""
 
-EMBEDDED = ("pydocs",)
+EMBEDDED = {"pydocs": "train", "pydocs_validation": "validation"}
+"""Embedded dataset names and the split of the pydocs corpus each reads."""
 FORMAT_NAMES = {"jsonl": "json", "json": "json", "parquet": "parquet", "text": "text"}
 _COMPRESSIONS = ("", ".gz", ".bz2", ".xz", ".zst")
 EXTENSIONS = {
@@ -44,7 +46,7 @@ EXTENSIONS = {
     **{f"{ext}{c}": "text" for ext in (".txt", ".text") for c in _COMPRESSIONS},
 }
 ACCEPTED = (
-    f"known names: {', '.join(EMBEDDED + tuple(HUB_DATASETS))}; a hub dataset as owner/name; "
+    f"known names: {', '.join([*EMBEDDED, *HUB_DATASETS])}; a hub dataset as owner/name; "
     "a local file, folder or glob of "
     f"{'/'.join(sorted({e.split('.')[1] for e in EXTENSIONS}))} files (optionally compressed); "
     f"or a format name ({', '.join(FORMAT_NAMES)}) with the files in dataset_path"
@@ -148,12 +150,14 @@ def _hub_source(name: str, hub: HubDataset, local_copy: str | None) -> Source:
     return Source(name, f"{what} from {where}", hub.text_field, build)
 
 
-def _pydocs_source() -> Source:
+def _pydocs_source(name: str) -> Source:
+    split = EMBEDDED[name]
+
     def build() -> datasets.IterableDataset:
-        table = datasets.Dataset.from_dict({"text": list(pydocs_documents())})
+        table = datasets.Dataset.from_dict({"text": list(pydocs_documents(split))})
         return table.to_iterable_dataset(num_shards=1)
 
-    return Source("pydocs", "embedded Python documentation", "text", build)
+    return Source(name, f"embedded Python documentation, {split} split", "text", build)
 
 
 def _looks_like_path(dataset: str) -> bool:
@@ -174,7 +178,7 @@ def load_source(dataset: str, dataset_path: str | None = None, text_field: str =
                 f"dataset {dataset} is embedded and takes no dataset_path (got {dataset_path}); "
                 "to read local files, set dataset to their path or format"
             )
-        return _pydocs_source()
+        return _pydocs_source(dataset)
     if dataset in FORMAT_NAMES:
         if dataset_path is None:
             raise ValueError(

@@ -30,6 +30,7 @@ from titan_parallel.memory_estimate import (
 )
 from titan_parallel.parallelize import parallelize
 from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, loss_context
+from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
 
 __version__ = "0.1.0"
 
@@ -59,9 +60,11 @@ __all__ = [
     "dist_mean",
     "dist_sum",
     "init_weights_exact",
+    "keep_ties_on_conversion",
     "loss_context",
     "parallelize",
     "resolve_reshard_after_forward",
+    "tied_parameter_groups",
     "total_grad_norm",
 ]
 
@@ -87,6 +90,7 @@ from titan_parallel.pipeline import (  # noqa: E402
 )
 from titan_parallel.pipeline_split import (  # noqa: E402
     build_stage_modules,
+    check_ties_within_stages,
     split_balanced,
     split_by_layers,
     validate_split_points,
@@ -105,6 +109,7 @@ __all__ += [
     "build_pipeline",
     "build_stage_modules",
     "check_cp_seq_len",
+    "check_ties_within_stages",
     "cp_context",
     "cp_unshard",
     "enable_cpu_ring_attention",

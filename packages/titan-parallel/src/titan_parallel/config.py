@@ -93,6 +93,10 @@ class Parallelism:
                 f"[parallelism] pipeline_parallel_layers_per_stage = {self.pipeline_parallel_layers_per_stage}"
                 " is not valid\nuse 1 or more, or leave it unset"
             )
+        if self.context_parallel_degree > 1:
+            from titan_parallel.context_parallel import check_cp_support
+
+            problems += check_cp_support()
         return problems
 
     @property

@@ -36,6 +36,7 @@ from titan_core.config import ConfigError
 __all__ = [
     "SUPPORTED_TORCH",
     "check_cp_seq_len",
+    "check_cp_support",
     "cp_context",
     "cp_unshard",
     "enable_cpu_ring_attention",
@@ -43,7 +44,7 @@ __all__ = [
 
 SUPPORTED_TORCH = ((2, 13), (2, 15))
 """Oldest and newest torch (major, minor) whose context-parallel internals this module was
-checked against; the CPU ring-attention registration refuses to run outside them."""
+checked against; context parallel refuses to run outside them (see `check_cp_support`)."""
 
 RotateMethod = Literal["allgather", "alltoall"]
 _SEQ_DIM = 2  # q, k, v are [batch, heads, seq, head_dim]
@@ -55,33 +56,86 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _cp_internals() -> Any:
-    """torch's private ring-attention module, after checking that we know this version."""
-    version = _torch_version()
-    low, high = SUPPORTED_TORCH
-    if not low <= version <= high:
-        raise RuntimeError(
-            f"titan_parallel's context parallel was checked with torch {low[0]}.{low[1]} to"
-            f" {high[0]}.{high[1]}, not torch {torch.__version__}: it sets torch-internal ring-attention"
-            " options (load balancing, the CPU kernel) that change between releases.\n"
-            f"install torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}, or turn context parallel off"
-        )
-    for path in (
-        "torch.distributed.tensor.experimental._context_parallel._attention",
-        "torch.distributed.tensor.experimental._attention",
-    ):
+# Every torch-private name this module uses, as (module, attribute path). They are looked up
+# once, at import, so that a torch without one of them is found before a job starts (through
+# `check_cp_support`, which `Parallelism.validate` runs when context_parallel_degree > 1)
+# rather than in the middle of a step; importing titan_parallel never fails because of them.
+_RING = "torch.distributed.tensor.experimental._context_parallel._attention"
+_PRIVATE_NAMES = (
+    (_RING, "custom_ops"),
+    (_RING, "_templated_ring_attention"),
+    (_RING, "_templated_ring_attention_backward"),
+    (_RING, "_cp_options.enable_load_balance"),
+    (_RING, "_cp_options.rotate_method"),
+    (_RING, "_RotateMethod.ALL_GATHER"),
+    (_RING, "_RotateMethod.ALL_TO_ALL"),
+    ("torch.distributed.tensor.experimental", "context_parallel"),
+    ("torch.distributed.tensor.experimental._attention", "context_parallel_unshard"),
+    ("torch.distributed.tensor._dispatch", "OpDispatcher.wrap"),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+    ("torch.distributed.tensor._utils", "compute_global_tensor_info"),
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu.default"),
+    ("torch.ops.aten", "_scaled_dot_product_flash_attention_for_cpu_backward.default"),
+)
+
+
+def _lookup(module: str, path: str) -> Any:
+    obj: Any = torch.ops.aten if module == "torch.ops.aten" else importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _find_private_names() -> tuple[dict[str, Any], list[str]]:
+    found, missing = {}, []
+    for module, path in _PRIVATE_NAMES:
         try:
-            module = importlib.import_module(path)
-        except ImportError:
-            continue
-        if all(
-            hasattr(module, n) for n in ("custom_ops", "_templated_ring_attention", "_cp_options")
-        ):
-            return module
-    raise RuntimeError(
-        f"torch {torch.__version__} does not have the context-parallel internals titan_parallel expects"
-        " (custom_ops, _templated_ring_attention); please report this with your torch version"
+            found[f"{module}.{path}"] = _lookup(module, path)
+        except Exception:  # ImportError, AttributeError, or an op torch does not register
+            missing.append(f"{module}.{path}")
+    return found, missing
+
+
+def _support_problems() -> list[str]:
+    low, high = SUPPORTED_TORCH
+    supported = (
+        f"titan_parallel's context parallel was checked with torch {low[0]}.{low[1]} to"
+        f" {high[0]}.{high[1]}"
     )
+    fix = (
+        f"install torch>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}, or set"
+        " [parallelism] context_parallel_degree = 1"
+    )
+    if not low <= _torch_version() <= high:
+        return [
+            f"{supported}, not torch {torch.__version__}: it uses torch-internal ring-attention"
+            f" options (load balancing, the CPU kernel) that change between releases\n{fix}"
+        ]
+    if _MISSING:
+        return [
+            f"{supported}, but this torch {torch.__version__} lacks internals it uses:"
+            f" {', '.join(_MISSING)}\n{fix}"
+        ]
+    return []
+
+
+_FOUND, _MISSING = _find_private_names()
+
+
+def check_cp_support() -> list[str]:
+    """Problems that stop context parallel from running with the installed torch (a version
+    outside `SUPPORTED_TORCH`, or a torch-internal name it uses that is missing); empty when
+    it can run. Checked once, at import."""
+    return _support_problems()
+
+
+def _cp_internals() -> Any:
+    """torch's private ring-attention module, after checking that we know this torch."""
+    problems = _support_problems()
+    if problems:
+        raise RuntimeError(problems[0])
+    return importlib.import_module(_RING)
 
 
 # ----------------------------------------------------------------------------- CPU ring attention
@@ -164,9 +218,11 @@ def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict)
     torch's own handler goes through DTensor sharding propagation, which has no rule for the
     CPU kernels; every tensor here is Shard(2) on the CP mesh, so the specs are written out.
     """
-    from torch.distributed.tensor._dispatch import OpDispatcher
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-    from torch.distributed.tensor._utils import compute_global_tensor_info
+    internals = _cp_internals()
+    DTensorSpec = _FOUND["torch.distributed.tensor._dtensor_spec.DTensorSpec"]
+    TensorMeta = _FOUND["torch.distributed.tensor._dtensor_spec.TensorMeta"]
+    global_info = _FOUND["torch.distributed.tensor._utils.compute_global_tensor_info"]
+    wrap = _FOUND["torch.distributed.tensor._dispatch.OpDispatcher.wrap"]
 
     mesh: DeviceMesh | None = None
 
@@ -185,7 +241,6 @@ def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict)
     local_kwargs = {k: local(v) for k, v in kwargs.items()}
     if mesh is None:
         raise AssertionError("CPU ring attention handler called without DTensor inputs")
-    internals = _cp_internals()
     run = (
         _ring_cpu_flash_forward
         if op_call == _aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -195,10 +250,10 @@ def _cpu_sdpa_handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict)
     placements = (Shard(_SEQ_DIM),)
     specs = []
     for res in results:
-        shape, stride = compute_global_tensor_info(res, mesh, placements)
+        shape, stride = global_info(res, mesh, placements)
         meta = TensorMeta(torch.Size(shape), tuple(stride), res.dtype)
         specs.append(DTensorSpec(mesh, placements, tensor_meta=meta))
-    return OpDispatcher.wrap(tuple(results), tuple(specs))
+    return wrap(tuple(results), tuple(specs))
 
 
 def enable_cpu_ring_attention() -> None:
@@ -289,8 +344,9 @@ def cp_context(
     check_cp_seq_len(lengths.pop(), cp_mesh.size(), load_balance=load_balance)
 
     internals = _cp_internals()
-    from torch.distributed.tensor.experimental import context_parallel
-
+    context_parallel = _FOUND["torch.distributed.tensor.experimental.context_parallel"]
+    # torch routes only its CUDA kernels through ring attention; the CPU kernel is added for
+    # CPU meshes only, leaving every other device's dispatch exactly as torch made it.
     if cp_mesh.device_type == "cpu":
         enable_cpu_ring_attention()
     options = internals._cp_options
@@ -343,9 +399,10 @@ def cp_unshard(
 ) -> list[torch.Tensor]:
     """Gather sequence shards (e.g. logits made under `cp_context`) back into full sequences,
     undoing the load-balancing order."""
-    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
-
     internals = _cp_internals()
+    context_parallel_unshard = _FOUND[
+        "torch.distributed.tensor.experimental._attention.context_parallel_unshard"
+    ]
     options = internals._cp_options
     saved = options.enable_load_balance
     options.enable_load_balance = load_balance

@@ -2,8 +2,10 @@
 
 FSDP wraps each block of `model.layers` on its own, so that only one block's full parameters
 exist at a time, then the modules before and after the blocks, then the root (which holds
-whatever is left). Gradients are averaged over the mesh (reduce-scattered for FSDP, and also
-all-reduced across replicas for HSDP).
+whatever is left). Modules that share a parameter (a tied embedding and output projection)
+are wrapped as one group, since a parameter can belong to one FSDP group only. Gradients are
+averaged over the mesh (reduce-scattered for FSDP, and also all-reduced across replicas for
+HSDP).
 """
 
 from __future__ import annotations
@@ -71,17 +73,59 @@ def apply_fsdp(
     post = [
         m for n in getattr(model, "post_blocks", ()) if (m := getattr(model, n, None)) is not None
     ]
-    for module in pre:
-        fully_shard(module, reshard_after_forward=reshard, **common)
-    for i, block in enumerate(blocks):
-        # The last block's backward runs right after forward: keeping it gathered saves a regather.
-        fully_shard(block, reshard_after_forward=reshard and i < len(blocks) - 1, **common)
-    if post:
-        # The final norm and output projection are gathered together, and are needed again
-        # at once by backward, so they are never resharded after forward.
-        fully_shard(post, reshard_after_forward=False, **common)
+    # Each pre-block module, each block, and the post-block modules together: one FSDP group
+    # each, unless they share a parameter (see _fsdp_groups).
+    units = [[m] for m in pre] + [[b] for b in blocks] + ([post] if post else [])
+    last_block = blocks[-1] if blocks else None
+    groups = _fsdp_groups(model, units)
+    for group in groups:
+        if any(m in post for m in group) or any(m is last_block for m in group):
+            # The final norm and output projection are needed again at once by backward, and
+            # so is the last block: keeping them gathered after forward saves a regather.
+            group_reshard = False
+        else:
+            group_reshard = reshard
+        fully_shard(
+            group if len(group) > 1 else group[0], reshard_after_forward=group_reshard, **common
+        )
     fully_shard(model, reshard_after_forward=reshard, **common)
-    _set_prefetch([*pre, *blocks, *post[:1]])
+    _set_prefetch([group[0] for group in groups])
+
+
+def _fsdp_groups(model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    """The FSDP groups for `units` (lists of modules, in forward order): a parameter can
+    belong to one FSDP group only, so units that share one (a tied embedding and output
+    projection) form one group, and a unit that shares one with a module outside every unit
+    is left to the root's group. Groups are in the order of their first unit."""
+    parent = list(range(len(units)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}  # parameter id -> a unit holding it
+    for i, unit in enumerate(units):
+        for module in unit:
+            for param in module.parameters():
+                j = owner.setdefault(id(param), i)
+                if find(j) != find(i):
+                    parent[find(i)] = find(j)
+    inside = {id(m) for unit in units for module in unit for m in module.modules()}
+    with_root = {
+        find(owner[id(p)])
+        for m in model.modules()
+        if id(m) not in inside
+        for p in m._parameters.values()
+        if p is not None and id(p) in owner
+    }
+    groups: dict[int, list[nn.Module]] = {}
+    for i, unit in enumerate(units):
+        root = find(i)
+        if root not in with_root:
+            groups.setdefault(root, []).extend(unit)
+    return list(groups.values())
 
 
 def _set_prefetch(units: list[nn.Module]) -> None:

@@ -27,8 +27,16 @@ def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tens
 
 def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
-    # A DTensor norm over sharded grads is Partial; full_tensor() reduces it over its mesh.
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if not isinstance(norm, DTensor):
+        return norm
+    # A DTensor norm over sharded grads is Partial; full_tensor() reduces it over its mesh,
+    # on the mesh's device: gradients offloaded to the CPU under a GPU mesh give a CPU norm,
+    # which NCCL cannot reduce.
+    mesh, local = norm.device_mesh, norm.to_local()
+    if local.device.type != mesh.device_type:
+        local = local.to(mesh.device_type)
+        norm = DTensor.from_local(local, mesh, norm.placements, run_check=False)
+    return norm.full_tensor()
 
 
 def total_grad_norm(
@@ -43,15 +51,15 @@ def total_grad_norm(
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in _grads(parameters):
         groups[g.device_mesh if isinstance(g, DTensor) else None].append(g)
-    if not groups:
-        return torch.tensor(0.0)
-    norms = [_group_norm(gs, norm_type, foreach) for gs in groups.values()]
-    device = norms[0].device
-    norms = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    if math.isinf(norm_type):
-        total = norms.max()
+    if groups:
+        norms = [_group_norm(gs, norm_type, foreach) for gs in groups.values()]
+        device = norms[0].device
+        norms = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+        total = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
     else:
-        total = norms.pow(norm_type).sum()
+        # No gradients here; a pipeline rank still joins the stages' reduction below, with a
+        # tensor on the mesh's device (NCCL reduces GPU tensors only).
+        total = torch.zeros((), device=pp_mesh.device_type if pp_mesh is not None else "cpu")
     if pp_mesh is not None:
         # Each pipeline stage holds different parameters: combine the stages' parts.
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
@@ -96,11 +104,10 @@ def _reduce(x: torch.Tensor | float, mesh: DeviceMesh | None, op: str) -> float:
         x = x.full_tensor()
     if not isinstance(x, torch.Tensor):
         x = torch.tensor(float(x))
-    x = x.detach().to(torch.float32)
     if mesh is None:
-        return x.item()
-    if mesh.device_type != "cpu" and x.device.type == "cpu":
-        x = x.to(mesh.device_type)
+        return x.detach().to(torch.float32).item()
+    # On the mesh's device whatever the caller passed (NCCL reduces GPU tensors only).
+    x = x.detach().to(device=mesh.device_type, dtype=torch.float32)
     return funcol.all_reduce(x, reduceOp=op, group=mesh).item()
 
 

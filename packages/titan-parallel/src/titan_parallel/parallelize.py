@@ -23,6 +23,7 @@ from titan_parallel.config import (
 )
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
 from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
+from titan_parallel.tied import keep_ties_on_conversion
 
 
 def parallelize(
@@ -45,6 +46,9 @@ def parallelize(
     (`dims.build_mesh(device_type)`). `plan` defaults to `model.tp_plan()` when TP is on.
     `parallelism` supplies the switches (sequence/loss/async TP, FSDP resharding); its degrees
     are not read, `dims` is. Invalid combinations raise `ConfigError` before anything changes.
+    A parameter several modules hold (tied embeddings) stays one parameter: under FSDP its
+    modules share one FSDP group, under TP the plan must split it alike in each of them, and
+    `model.to_empty()` / `.to()` keep it tied (plain PyTorch unties it there).
     Returns `model`.
     """
     parallelism = parallelism or Parallelism()
@@ -83,4 +87,7 @@ def parallelize(
         )
     elif dims.dp_replicate_enabled:
         apply_ddp(model, dims.mesh("dp_replicate"), compile_enabled=compile.compiles("model"))
+    # Tied parameters (an embedding shared with the output projection) stay one parameter
+    # through the caller's `to_empty` too (recorded last: names as the wrappers left them).
+    keep_ties_on_conversion(model)
     return model

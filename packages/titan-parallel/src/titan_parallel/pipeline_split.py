@@ -30,9 +30,11 @@ import torch
 from torch import nn
 
 from titan_core.config import ConfigError
+from titan_parallel.tied import tied_parameter_groups
 
 __all__ = [
     "build_stage_modules",
+    "check_ties_within_stages",
     "model_units",
     "split_balanced",
     "split_by_layers",
@@ -279,6 +281,39 @@ def _min_max_partition(costs: Sequence[float], parts: int) -> list[int]:
     return bounds[::-1]
 
 
+def check_ties_within_stages(model: nn.Module, names_per_stage: Sequence[Sequence[str]]) -> None:
+    """Raise a ConfigError if a parameter that several modules share (a tied embedding and
+    output projection) would be held by more than one stage.
+
+    Each stage would train its own copy, and the copies would drift apart from the first
+    step: pipeline parallel does not synchronise them, so such a split is refused.
+    """
+    stage_of = {name: i for i, names in enumerate(names_per_stage) for name in names}
+
+    def stage(param_name: str) -> int | None:
+        for unit, i in stage_of.items():
+            if param_name.startswith(unit + "."):
+                return i
+        return None  # held by the root itself: every stage keeps it
+
+    problems = []
+    for group in tied_parameter_groups(model):
+        stages = {name: stage(name) for name in group}
+        if len(set(stages.values())) > 1:
+            where = ", ".join(
+                f"{name} (stage {s})" if s is not None else f"{name} (every stage)"
+                for name, s in stages.items()
+            )
+            problems.append(
+                f"{' and '.join(group)} are one tied parameter, but pipeline parallel would put"
+                f" its holders on different stages ({where}), and each stage would train its own"
+                " copy\nuntie the weights (for Llama: tie_word_embeddings = false), or train"
+                " without pipeline parallel"
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
 def build_stage_modules(
     model: nn.Module, names_per_stage: Sequence[Sequence[str]], stage_ids: Sequence[int]
 ) -> list[nn.Module]:
@@ -287,9 +322,12 @@ def build_stage_modules(
     Blocks the stage does not own are deleted from `layers` (the rest keep their names,
     "layers.5" stays "layers.5", so checkpoints load unchanged); pre- and post-block
     modules it does not own are set to None, which the model's forward passes through.
-    Build on the meta device: the copies cost no memory until `to_empty`.
+    Build on the meta device: the copies cost no memory until `to_empty`. A tied parameter
+    whose holders would land on different stages raises a ConfigError first
+    (`check_ties_within_stages`).
     """
     pre, _, post = model_units(model)
+    check_ties_within_stages(model, names_per_stage)
     parts = []
     for stage in stage_ids:
         owned = set(names_per_stage[stage])

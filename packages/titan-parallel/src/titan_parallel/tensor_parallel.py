@@ -12,6 +12,7 @@ cross entropy on the shards; run the loss and its backward inside `loss_context(
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from titan_core.config import ConfigError
 from titan_core.parallel_dims import ParallelDims
 from titan_core.protocols import TPPlan, TPStyle
 from titan_parallel.config import Parallelism
+from titan_parallel.tied import retie, tied_parameter_groups
 
 
 class _GatherSequence(ParallelStyle):
@@ -110,6 +112,74 @@ def check_tp_plan(model: nn.Module, plan: TPPlan, tp_degree: int) -> list[str]:
     return problems
 
 
+def _module_styles(model: nn.Module, plan: TPPlan) -> dict[str, TPStyle]:
+    """The style of every module the plan names, by fully qualified name."""
+    styles = {n: s for n, s in plan.root.items() if _submodule(model, n) is not None}
+    for key in getattr(model, "layers", nn.ModuleDict()):
+        styles.update({f"layers.{key}.{n}": s for n, s in plan.block.items()})
+    return styles
+
+
+def _split_of(
+    module: nn.Module, leaf: str, style: ParallelStyle | None, mesh: DeviceMesh
+) -> tuple[str, ...]:
+    """How `style` leaves `module`'s parameter `leaf`: its placements, or () when it stays a
+    plain tensor. Found by applying the style to a copy of the module on the meta device,
+    so it is torch's own answer, at no memory and no communication."""
+    if style is None:
+        return ()
+    memo = {
+        id(t): (
+            nn.Parameter(t.to("meta"), t.requires_grad)
+            if isinstance(t, nn.Parameter)
+            else t.to("meta")
+        )
+        for t in [*module.parameters(), *module.buffers()]
+    }
+    skeleton = copy.deepcopy(module, memo)
+    parallelize_module(skeleton, mesh, style)
+    param = skeleton._parameters[leaf]
+    return tuple(map(repr, param.placements)) if isinstance(param, DTensor) else ()
+
+
+def check_tied_parameters(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TPPlan,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> list[str]:
+    """Problems with parameters that several modules share under this plan: each of them
+    must be split the same way (or not at all) in every module that holds it."""
+    named = _module_styles(model, plan)
+    problems = []
+    for group in tied_parameter_groups(model):
+        splits = {}
+        for name in group:
+            path, _, leaf = name.rpartition(".")
+            style_name = named.get(path)
+            style = (
+                _style(style_name, sp=sequence_parallel, loss_parallel_on=loss_parallel)
+                if style_name
+                else None
+            )
+            split = _split_of(model.get_submodule(path), leaf, style, tp_mesh)
+            splits[name] = (style_name, split)
+        if len({split for _, split in splits.values()}) > 1:
+            described = "; ".join(
+                f"{name}: {style or 'not in the plan'} -> {'/'.join(split) or 'not split'}"
+                for name, (style, split) in splits.items()
+            )
+            problems.append(
+                f"{' and '.join(group)} are one tied parameter, but the tensor-parallel plan splits it"
+                f" differently in each module ({described})\n"
+                "give every module that holds it a style that splits it the same way (for a tied"
+                " embedding and output projection: embedding and output), or untie the weights"
+            )
+    return problems
+
+
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -122,6 +192,8 @@ def apply_tp(
     """Split `model`'s modules over `tp_mesh` as `plan` says (in place, before FSDP).
 
     Root entries whose module was removed (set to None by pipeline parallel) are skipped.
+    A parameter that several modules hold (tied embeddings) stays one parameter; the plan
+    must split it the same way in each of them, else a `ConfigError` is raised first.
     `async_tp` turns on symmetric-memory collectives for the compiler's async-TP pass (CUDA
     only; the blocks must also be compiled).
     """
@@ -129,6 +201,13 @@ def apply_tp(
     problems = check_tp_plan(model, plan, degree)
     if problems:
         raise ConfigError(problems)
+    tied = tied_parameter_groups(model)
+    if tied:
+        problems = check_tied_parameters(
+            model, tp_mesh, plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+        )
+        if problems:
+            raise ConfigError(problems)
     if async_tp and tp_mesh.device_type != "cuda":
         raise ConfigError(
             f"async tensor parallel needs CUDA, but the mesh is on {tp_mesh.device_type}\n"
@@ -142,6 +221,9 @@ def apply_tp(
     block_plan = {n: s for n, st in plan.block.items() if (s := _style(st, **styles)) is not None}
     for block in getattr(model, "layers", nn.ModuleDict()).values():
         parallelize_module(block, tp_mesh, block_plan)
+    # Each module got a split copy of a tied parameter (split the same way, checked above):
+    # hold one again, so that both uses add into one gradient.
+    retie(model, tied)
     if async_tp:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 

@@ -221,5 +221,8 @@ class Transformer(nn.Module):
             divisible_by_tp={"n_heads": self.args.n_heads, "n_kv_heads": self.args.kv_heads},
         )
 
+    def cp_buffers(self) -> dict[str, int]:
+        return {"rope_cache": 0}  # one row per position
+
     def flops_per_token(self, seq_len: int) -> float:
         return llama_flops_per_token(self.args, seq_len)
