@@ -27,6 +27,7 @@ fusions (the step runs eagerly; compiling usually needs less).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 
@@ -157,6 +158,13 @@ class _ForgetModules(WeakIdKeyDictionary):
         return id(key) not in self._forget and super().__contains__(key)
 
 
+def _update_global_peak(tracker, _peak_state) -> None:
+    for device, snapshot in tracker._curr_mem_snap.items():
+        if tracker._peak_mem.get(device, 0) < snapshot["Total"]:
+            tracker._peak_mem[device] = snapshot["Total"]
+            tracker._peak_mem_snap[device] = dict(snapshot)
+
+
 class StepMemoryTracker:
     """Counts the memory of everything run inside `with tracker:` by kind, on real or fake
     tensors, for one or several model parts (pipeline stages) and their optimizer.
@@ -183,6 +191,10 @@ class StepMemoryTracker:
         # the next iteration and refuse it; a pipeline stage is called once per microbatch.
         # Per-module statistics are not used here, so the parts are never remembered as seen.
         tracker.memory_tracking = _ForgetModules(parts)
+        # After every op torch's tracker also updates each tracked module's own peak, a loop
+        # over every module per op that dominates a large simulation; only the global peak is
+        # used here.
+        tracker._update_peak_stats = functools.partial(_update_global_peak, tracker)
         self._tracker = tracker
 
     def __enter__(self) -> StepMemoryTracker:

@@ -1,0 +1,215 @@
+"""`titan-train --dry-run`: the commands a user types before booking a cluster, on small jobs.
+
+The shipped configs at their real size and world size are in test_shipped_configs_dry_run.py;
+how close the estimate is to measurement is in test_memory_predictor.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import DEBUG_TOML, run_cli
+
+SMALL = ["--job.config_file", str(DEBUG_TOML), "--training.seq_len", "64"]
+
+
+def _table_rows(stdout: str) -> dict[str, list[float]]:
+    rows = {}
+    for line in stdout.splitlines():
+        match = re.match(r"^(every rank|pipeline rank \d+)\s+([\d.\s]+)$", line)
+        if match:
+            rows[match.group(1)] = [float(x) for x in match.group(2).split()]
+    return rows
+
+
+def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path):
+    result = run_cli(
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "2"]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "titan dry run: llama3 debugmodel on 2 x H100 (79.2 GiB)" in out, out
+    assert "layout dp_shard 2 | seq 64" in out
+    rows = _table_rows(out)
+    assert list(rows) == ["every rank"], out
+    kinds = rows["every rank"]
+    # six kinds, then the step's peak (their sum) and the initialisation's peak
+    assert kinds[6] == pytest.approx(sum(kinds[:6]), abs=0.02), kinds
+    assert re.search(r"verdict: fits, [\d.]+ GiB free", out), out
+    # nothing was trained or written
+    assert not (tmp_path / "checkpoint").exists() and "step    1" not in out
+
+
+def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path):
+    result = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--comm.mode",
+            "fake_backend",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--training.local_batch_size",
+            "4",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _table_rows(result.stdout)
+    assert list(rows) == ["pipeline rank 0", "pipeline rank 1"], result.stdout
+    # The first stage holds the embedding, the last the output projection and the loss:
+    # different ranks, different memory.
+    assert rows["pipeline rank 0"] != rows["pipeline rank 1"]
+
+
+def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path):
+    result = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry-run",
+            "--dry_run.world_size",
+            "2",
+            "--training.seq_len",
+            "512",
+            "--dry_run.device_memory_gib",
+            "0.12",
+            "--dry_run.headroom_gib",
+            "0",
+        ]
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    out = result.stdout
+    assert re.search(r"verdict: does not fit by [\d.]+ GiB", out), out
+    changes = re.findall(r"^  - (.+?): peak ([\d.]+) GiB, (fits|short)", out, re.MULTILINE)
+    labels = [c[0] for c in changes]
+    assert labels[:2] == [
+        "activation checkpointing: selective (op)",
+        "activation checkpointing: full",
+    ], out
+    assert "twice the GPUs (FSDP degree x2)" in labels
+    baseline = _table_rows(out)["every rank"][6]
+    # Recomputing activations must lower the simulated peak.
+    assert float(changes[1][1]) < baseline
+    assert "cheapest change that fits: activation checkpointing: full" in out, out
+
+
+def test_every_config_problem_is_reported_together_before_any_simulation(tmp_path):
+    result = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry-run",
+            "--dry_run.world_size",
+            "4",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "2F2B",
+            "--training.dataset",
+            str(tmp_path / "missing.jsonl"),
+        ]
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    out = result.stdout
+    assert "pipeline_parallel_schedule = '2F2B' is not a schedule" in out, out
+    assert "missing.jsonl" in out and "does not exist" in out, out
+    assert "rank role" not in out  # no simulation of a job that cannot start
+
+
+def test_world_size_must_be_known(tmp_path):
+    result = run_cli(
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run"], env_extra={"NGPU": ""}
+    )
+    assert result.returncode == 2
+    assert "needs the job's world size" in result.stdout and "--dry_run.world_size" in result.stdout
+
+
+def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path):
+    trained = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "1",
+            "--checkpoint.enable",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    same = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.enable",
+            "--dry-run",
+            "--dry_run.world_size",
+            "2",
+        ]
+    )
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "step-1 (step 1), which loads into this layout" in same.stdout, same.stdout
+    other = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--checkpoint.enable",
+            "--model.flavor",
+            "1B",
+            "--dry-run",
+            "--dry_run.world_size",
+            "2",
+        ]
+    )
+    assert other.returncode == 2, other.stdout + other.stderr
+    assert "does NOT load into this layout" in other.stdout
+    assert "has other shapes than this model" in other.stdout, other.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "2F2B",
+            ],
+            "is not a schedule",
+        ),
+        (
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_async_tensor_parallel",
+            ],
+            "needs CUDA",
+        ),
+    ],
+)
+def test_training_run_checks_the_layout_before_creating_process_groups(tmp_path, flags, message):
+    # WORLD_SIZE=2 without a second process: if any process group were created, the run would
+    # wait for its peer until the timeout instead of failing at once.
+    result = run_cli(
+        [*SMALL, "--job.dump_folder", str(tmp_path), *flags],
+        env_extra={
+            "WORLD_SIZE": "2",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "1",
+        },
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr, result.stderr
