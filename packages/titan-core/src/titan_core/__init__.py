@@ -26,10 +26,14 @@ from titan_core.distributed import (
 )
 from titan_core.flops import (
     PEAK_TFLOPS,
+    CpuBound,
     PeakFlops,
+    cpu_peak_bound,
     lookup_peak_flops,
     measure_matmul_flops,
+    peak_cache_file,
     peak_flops,
+    two_significant,
 )
 from titan_core.log import get_logger, init_logging
 from titan_core.memory import MemoryMonitor, MemoryStats
@@ -59,6 +63,7 @@ __all__ = [
     "Comm",
     "ConfigError",
     "Converter",
+    "CpuBound",
     "DataSpec",
     "DistInfo",
     "HFAdapter",
@@ -78,6 +83,7 @@ __all__ = [
     "available",
     "backend_for",
     "config_to_dict",
+    "cpu_peak_bound",
     "destroy_distributed",
     "device_name",
     "field_docs",
@@ -89,6 +95,7 @@ __all__ = [
     "local_device",
     "lookup_peak_flops",
     "measure_matmul_flops",
+    "peak_cache_file",
     "peak_flops",
     "render_help",
     "resolve",
@@ -96,6 +103,7 @@ __all__ = [
     "set_seed",
     "supports_bf16",
     "to_toml",
+    "two_significant",
     "validate",
     "world_size_from_env",
 ]
