@@ -1,6 +1,8 @@
 """titan-core: config machinery, ParallelDims and device meshes, device and process-group setup,
 logging, and the protocols and registries the other Titan packages plug into."""
 
+import importlib.metadata
+
 from titan_core.config import (
     ConfigError,
     config_to_dict,
@@ -55,7 +57,7 @@ from titan_core.protocols import (
 from titan_core.sections import Comm, Job
 from titan_core.seed import set_seed
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("titan-core")  # the pyproject's version, one source
 
 __all__ = [
     "PEAK_TFLOPS",
