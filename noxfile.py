@@ -124,7 +124,7 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
     # Siblings are not on the index yet, so their freshly built wheels stand in for it.
     session.install(f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist), *pins)
     if pins:
-        session.run("python", "-c", _VERSIONS, *(_requirement_name(p) for p in pins))
+        session.run("python", "-c", _VERSIONS, *_WATCHED, *(_requirement_name(p) for p in pins))
     others = [_module(p) for p in PACKAGES if p not in needed]
     session.run(
         "python",
@@ -147,9 +147,12 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
     )
 
 
+# What a compatibility run records: the Python and these, where installed.
+_WATCHED = ("torch", "torchao", "datasets", "transformers", "numpy")
 _VERSIONS = (
-    "import importlib.metadata as m, sys; print('installed:', sys.version.split()[0], "
-    "*(f'{d} {m.version(d)}' for d in sys.argv[1:]))"
+    "import importlib.metadata as m, importlib.util as u, sys; print('installed: python',"
+    " sys.version.split()[0], *(f'{d} {m.version(d)}' for d in dict.fromkeys(sys.argv[1:])"
+    " if u.find_spec(d)))"
 )
 
 

@@ -6,6 +6,7 @@ the cluster tools (torchrun, srun, scontrol) replaced by recorders, since there 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -63,31 +64,21 @@ def test_list_configs_and_config_path_answer_without_importing_torch(tmp_path):
     assert str(shipped_root() / "scripts/multinode.sbatch") in done.stdout
 
 
-def test_titan_train_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
+def test_the_readme_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
+    readme = (TRAINER / "README.md").read_text()
+    (command,) = [
+        line for line in readme.splitlines() if line.startswith("titan-train --job.config_file")
+    ]
     done = subprocess.run(
-        [
-            str(BIN / "titan-train"),
-            "--job.config_file",
-            "debug_model",
-            "--training.steps",
-            "1",
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
-            "--metrics.enable_tensorboard",
-            "false",
-            "--metrics.peak_tflops",
-            "1",
-        ],
+        shlex.split(command),
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"},
     )
     assert done.returncode == 0, done.stderr
-    assert "step    1 | loss" in done.stdout
+    assert "step    5 | loss" in done.stdout
     # Outputs land under the folder it ran in, with the name it was given.
     assert 'config_file = "debug_model"' in (tmp_path / "outputs/debug/config.toml").read_text()
 

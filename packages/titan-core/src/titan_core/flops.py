@@ -159,7 +159,7 @@ def measure_matmul_flops(
 ) -> float:
     """The fastest of repeated square matmuls, after a warm-up: at least `min_samples` of them
     and `min_seconds` in all. Without `size`, the size doubles from 256 until one matmul takes
-    a few milliseconds (8192 on GPUs): short enough that some samples run undisturbed on a
+    a millisecond or more (8192 on GPUs): short enough that some samples run undisturbed on a
     shared machine, long enough to keep every core busy. The operands come from a private
     generator: the global RNG state is untouched."""
     generator = torch.Generator(device=device).manual_seed(0)
