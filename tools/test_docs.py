@@ -15,6 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from check_packaging import REPOSITORY, ROOT, members  # noqa: E402
 
+# Once cited by the noxfile and tools; spelled in two parts so that this file does not cite it.
+MISSING = "ARCHITECTURE" + ".md"
 LINK = re.compile(r"\]\(([^)\s]+)\)|<(https?://[^>\s]+)>")
 
 
@@ -55,7 +57,7 @@ def test_docs_cite_only_files_the_repository_has():
     ]
     for path in texts:
         text = path.read_text()
-        assert "ARCHITECTURE.md" not in text, f"{path.relative_to(ROOT)} cites ARCHITECTURE.md"
+        assert MISSING not in text, f"{path.relative_to(ROOT)} cites {MISSING}, not in the repo"
         for cited in re.findall(r"\bdocs/[\w./-]+\.md\b", text):
             assert (ROOT / cited).is_file() or (path.parent / cited).is_file(), (
                 f"{path.relative_to(ROOT)} cites {cited}, which does not exist"
