@@ -3,6 +3,8 @@
     uv run nox -l                          # list sessions
     uv run nox -s tests-titan-core         # one package's tests in the workspace env
     uv run nox -s isolated-titan-parallel  # build the wheel, install it alone, test it there
+    uv run nox -s packaging                # what the built wheels and sdists carry
+    uv run nox -t compat                   # lowest/highest torch x oldest/newest Python
     uv run nox -s bench                    # benchmarks (not in the default set)
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -43,6 +47,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
     "lint",
     "layers",
+    "packaging",
     *(f"isolated-{p}" for p in LIBRARIES),
     "tests-titan-trainer",
     "summary",
@@ -58,7 +63,7 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
     JUNIT.mkdir(parents=True, exist_ok=True)
     return [
         str(ROOT / PACKAGES[dist] / "tests"),
-        f"--junitxml={JUNIT / dist}.xml",
+        f"--junitxml={JUNIT / session.name}.xml",
         "-q",
         *session.posargs,
     ]
@@ -73,7 +78,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def layers(session: nox.Session) -> None:
-    """The dependency rules of ARCHITECTURE.md section 1: import contracts and declared deps."""
+    """The dependency rules of docs/architecture.md ("Layers"): import contracts and declared
+    dependencies."""
     session.run("uv", "run", "--frozen", "lint-imports")
     session.run("uv", "run", "--frozen", "python", "tools/check_declared_deps.py")
 
@@ -92,45 +98,66 @@ for _dist in PACKAGES:
     def isolated(session: nox.Session, dist: str = _dist) -> None:
         """Build the wheel (no workspace sources), install it alone with its dependencies into a
         clean venv, show that no other titan package is importable, and run its tests there."""
-        wheels = Path(session.create_tmp()) / "wheels"
-        shutil.rmtree(wheels, ignore_errors=True)
-        needed = _titan_closure(dist)
-        for name in needed:
-            session.run(
-                "uv",
-                "build",
-                "--no-sources",
-                "--wheel",
-                "--quiet",
-                "--package",
-                name,
-                "--out-dir",
-                str(wheels),
-                external=True,
-            )
-        built = {name: next(wheels.glob(f"{_module(name)}-*.whl")) for name in needed}
-        # Siblings are not on the index yet, so their freshly built wheels stand in for it.
-        session.install(f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist))
-        others = [_module(p) for p in PACKAGES if p not in needed]
+        _isolated(session, dist)
+
+
+def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> None:
+    """`dist`'s wheel and the titan wheels it needs in the session's venv, with `pins` (extra
+    requirements such as a torch version) resolved together with them; then its tests."""
+    wheels = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    needed = _titan_closure(dist)
+    for name in needed:
         session.run(
-            "python",
-            "-c",
-            "import importlib.util, sys; present = [m for m in sys.argv[1:] if importlib.util.find_spec(m)];"
-            " assert not present, f'unexpected titan packages importable: {present}';"
-            " print('isolated: no other titan package importable')",
-            *others,
+            "uv",
+            "build",
+            "--no-sources",
+            "--wheel",
+            "--quiet",
+            "--package",
+            name,
+            "--out-dir",
+            str(wheels),
+            external=True,
         )
-        # Run from outside the repo so that only the installed wheel can be imported.
-        session.chdir(session.create_tmp())
-        session.run(
-            "python",
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            f"--rootdir={ROOT}",
-            *_pytest_args(session, dist),
-        )
+    built = {name: next(wheels.glob(f"{_module(name)}-*.whl")) for name in needed}
+    # Siblings are not on the index yet, so their freshly built wheels stand in for it.
+    session.install(f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist), *pins)
+    if pins:
+        session.run("python", "-c", _VERSIONS, *_WATCHED, *(_requirement_name(p) for p in pins))
+    others = [_module(p) for p in PACKAGES if p not in needed]
+    session.run(
+        "python",
+        "-c",
+        "import importlib.util, sys; present = [m for m in sys.argv[1:] if importlib.util.find_spec(m)];"
+        " assert not present, f'unexpected titan packages importable: {present}';"
+        " print('isolated: no other titan package importable')",
+        *others,
+    )
+    # Run from outside the repo so that only the installed wheel can be imported.
+    session.chdir(session.create_tmp())
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={ROOT}",
+        *_pytest_args(session, dist),
+    )
+
+
+# What a compatibility run records: the Python and these, where installed.
+_WATCHED = ("torch", "torchao", "datasets", "transformers", "numpy")
+_VERSIONS = (
+    "import importlib.metadata as m, importlib.util as u, sys; print('installed: python',"
+    " sys.version.split()[0], *(f'{d} {m.version(d)}' for d in dict.fromkeys(sys.argv[1:])"
+    " if u.find_spec(d)))"
+)
+
+
+def _requirement_name(requirement: str) -> str:
+    return requirement.split("=")[0].split("<")[0].split(">")[0].strip()
 
 
 def _titan_closure(dist: str) -> list[str]:
@@ -149,6 +176,89 @@ def _titan_closure(dist: str) -> list[str]:
             if dep in PACKAGES:
                 todo.append(dep)
     return order
+
+
+@nox.session
+def packaging(session: nox.Session) -> None:
+    """Build every wheel and sdist as an index would get them and check what they carry
+    (tools/check_packaging.py); then install all the wheels in this clean venv and run, from
+    outside the repo, what only an installed wheel shows: titan-trainer's shipped configs and
+    launch scripts, and the packaging checks' own tests."""
+    dist = Path(session.create_tmp()) / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run(
+        "uv", "build", "--all-packages", "--no-sources", "--quiet", "--out-dir", str(dist),
+        external=True,
+    )  # fmt: skip
+    wheels = sorted(str(w) for w in dist.glob("*.whl"))
+    session.install(*wheels, *(f"{w}[test]" for w in wheels if "titan_trainer-" in w))
+    session.run("python", str(ROOT / "tools" / "check_packaging.py"), str(dist))
+    JUNIT.mkdir(parents=True, exist_ok=True)
+    session.chdir(session.create_tmp())
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={ROOT}",
+        str(ROOT / "apps/trainer/tests/test_shipped_files.py"),
+        str(ROOT / "tools"),
+        f"--junitxml={JUNIT / 'packaging'}.xml",
+        "-q",
+        *session.posargs,
+    )
+
+
+# The compatibility matrix: each library's isolated tests on the lowest and the highest torch
+# its pyproject admits, on Python 3.11 and the newest Python torch supports that this machine
+# has (`uv run nox -t compat`, or one session by name). Not in the default set: it downloads a
+# torch build per Python (several GB on a fresh machine) and takes longer than the default set;
+# docs/compatibility.md records its last run.
+COMPAT_PYTHONS = ("3.11", "3.13")
+
+
+def _interpreter(version: str) -> str:
+    """An interpreter for `version`: pythonX.Y on PATH, else one that pyenv installed without
+    activating it (uv does not look there); else the version, for uv to look up itself."""
+    candidates = [shutil.which(f"python{version}")]
+    candidates += sorted(Path.home().glob(f".pyenv/versions/{version}*/bin/python{version}"))
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return str(candidate)
+    return version
+
+
+def _torch_pin(end: str) -> str:
+    """`torch==<lowest>.*` or the declared range itself (resolved to its newest release),
+    from titan-core's pyproject, which every library shares."""
+    meta = tomllib.loads((ROOT / PACKAGES["titan-core"] / "pyproject.toml").read_text())
+    (spec,) = [r for r in meta["project"]["dependencies"] if r.startswith("torch")]
+    if end == "highest":
+        return spec
+    lowest = spec.split(">=")[1].split(",")[0].strip()
+    return f"torch=={lowest}.*"
+
+
+for _dist in LIBRARIES:
+    for _python in COMPAT_PYTHONS:
+        for _end in ("lowest", "highest"):
+
+            @nox.session(
+                name=f"compat-{_dist}-py{_python}-torch-{_end}",
+                python=_interpreter(_python),
+                tags=["compat", f"compat-py{_python}", f"compat-torch-{_end}"],
+            )
+            def compat(session: nox.Session, dist: str = _dist, end: str = _end) -> None:
+                """One library's isolated tests with the lowest or the highest supported torch."""
+                # uv reads no pip configuration: a local folder of wheels that pip is told to
+                # use (a CPU torch build, say) is passed on explicitly.
+                links = [
+                    p for p in os.environ.get("PIP_FIND_LINKS", "").split() if Path(p).is_dir()
+                ]
+                if links:
+                    session.env["UV_FIND_LINKS"] = " ".join(links)
+                _isolated(session, dist, pins=(_torch_pin(end),))
 
 
 @nox.session(venv_backend="none")

@@ -1,4 +1,5 @@
-"""Each package declares exactly the titan packages its source imports (ARCHITECTURE.md §1).
+"""Each package declares exactly the titan packages its source imports (docs/architecture.md,
+"Layers and the rules between them").
 
 An undeclared import breaks `pip install` of that package alone; a declared but unused one
 drags a sibling in for nothing. Test files are included: they run against the installed wheel.
@@ -17,7 +18,7 @@ MEMBERS = sorted([*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("apps/*/py
 
 def plugin_providers() -> set[str]:
     """Packages that register `titan.*` entry points. A package may depend on one without
-    importing it: it is found by name at run time (ARCHITECTURE.md section 4)."""
+    importing it: it is found by name at run time (docs/architecture.md, "Plugins")."""
     found = set()
     for pyproject in MEMBERS:
         meta = tomllib.loads(pyproject.read_text())["project"]

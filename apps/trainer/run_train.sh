@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Launch titan-train under torchrun on this machine.
 #   NGPU=8 CONFIG_FILE=configs/llama3_8b.toml ./run_train.sh --training.steps 100
-# NGPU: processes to start (default 8 with CUDA, else 1). CONFIG_FILE: the TOML to read.
-# LOG_RANK: ranks whose output is shown (default 0). Extra arguments override the TOML.
+# NGPU: processes to start (default: the CUDA devices, else 1). CONFIG_FILE: a TOML file, or a
+# config shipped with titan-trainer by name (llama3_8b, configs/llama3_8b.toml; default
+# debug_model; `titan-train --list-configs`). LOG_RANK: ranks whose output is shown (default 0).
+# Extra arguments override the TOML. The run writes under the current folder (job.dump_folder).
 set -euo pipefail
-cd "$(dirname "$0")"
 
-CONFIG_FILE=${CONFIG_FILE:-"configs/debug_model.toml"}
+# Resolved the way titan-train resolves it; a name that finds nothing fails here, before torchrun.
+CONFIG_FILE=$(python -m titan_trainer --config-path "${CONFIG_FILE:-debug_model}")
 if [ -z "${NGPU:-}" ]; then
     NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
 fi

@@ -232,3 +232,17 @@ def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as info:
         load_config(Root, ["--training.stepz", "1", "--model.nam", "x"])
     assert len(info.value.problems) == 2
+
+
+def test_an_application_maps_config_file_names_to_files(toml_file):
+    def find(given: str):
+        if given == "named-run":
+            return toml_file
+        raise ConfigError(f"no config named {given!r}\nknown: named-run")
+
+    cfg = load_config(Root, ["--job.config_file", "named-run"], find_config_file=find)
+    assert cfg.training.steps == 100 and cfg.job.config_file == "named-run"
+    with pytest.raises(ConfigError, match="no config named 'other'"):
+        load_config(Root, ["--job.config_file", "other"], find_config_file=find)
+    # Without a finder the value is a path, as before.
+    assert "does not exist" in config_error(Root, ["--job.config_file", "named-run"])

@@ -8,26 +8,50 @@ from __future__ import annotations
 
 import sys
 
-from titan_core import (
-    ConfigError,
-    available,
-    init_logging,
-    load_config,
-    plugins,
-    render_help,
-    world_size_from_env,
-)
+from titan_trainer.shipped import describe_shipped, find_config_file
+
+MORE_HELP = """
+Also:
+  titan-train --list-configs         the configs shipped with titan-trainer and where they are;
+                                     --job.config_file takes their names (debug_model, llama3_8b)
+  titan-train --config-path NAME     the TOML file --job.config_file NAME reads
+  titan-train --list-plugins         installed models, data packages, checkpointers, converters
+  titan-train ... --dry-run          simulate the job instead of running it: memory per rank on
+                                     fake tensors, fit verdict, config/tokenizer/dataset/checkpoint
+                                     checks (same as --comm.mode fake_backend; see [dry_run])"""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # These two answer without importing torch (seconds): launch scripts call them.
+    if "--list-configs" in args:
+        print(describe_shipped())
+        return 0
+    if "--config-path" in args:
+        rest = args[args.index("--config-path") + 1 :]
+        if not rest:
+            print("usage: titan-train --config-path NAME_OR_FILE", file=sys.stderr)
+            return 2
+        try:
+            print(find_config_file(rest[0]).resolve())
+        except ValueError as e:  # titan_core.ConfigError
+            print(e, file=sys.stderr)
+            return 2
+        return 0
+
+    from titan_core import (
+        ConfigError,
+        available,
+        init_logging,
+        load_config,
+        plugins,
+        render_help,
+        world_size_from_env,
+    )
     from titan_trainer.config import JobConfig
 
     if "-h" in args or "--help" in args:
-        print(render_help(JobConfig))
-        print(
-            "\n  --dry-run\n      Simulate the job (memory per rank, checks) without training: --comm.mode fake_backend."
-        )
+        print(render_help(JobConfig) + "\n" + MORE_HELP)
         return 0
     if "--dry-run" in args:
         args = [a for a in args if a != "--dry-run"] + ["--comm.mode", "fake_backend"]
@@ -42,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_trainer.checks import preflight_problems
 
     try:
-        config = load_config(JobConfig, args)
+        config = load_config(JobConfig, args, find_config_file=find_config_file)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ def format_line(step: int, m: dict[str, float]) -> str:
         f"lr {m['lr']:.1e}",
         f"{m['tokens_per_s']:,.0f} tok/s",
         f"{m['tflops']:.2f} TFLOP/s",
-        f"MFU {m['mfu_pct']:.1f}%",
+        f"MFU {m['mfu_pct']:.1f}%" + (" (peak too low!)" if m["mfu_pct"] > 100 else ""),
         f"mem {m['mem_peak_gib']:.1f} GiB",
         f"{m['step_time_s']:.2f} s/step",
     ]
@@ -45,12 +45,22 @@ def format_line(step: int, m: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+MFU_ABOVE_100 = (
+    "MFU is %.1f%%, which is impossible: the peak FLOP/s it is divided by (the `peak` line at "
+    "start-up) is too low, and every MFU above 100%% in this run is wrong.\n"
+    "  A peak measured while other work ran on the machine reads low. Set the device's real peak "
+    "with --metrics.peak_tflops (on a CPU, the bound printed in that line), or run again on a "
+    "quieter machine: the best measurement is kept."
+)
+
+
 class MetricsLogger:
     """Writes the console line (rank 0) and TensorBoard scalars (rank 0)."""
 
     def __init__(self, dump_folder: str, tb_folder: str, enable_tensorboard: bool, rank: int):
         self.rank = rank
         self.writer = None
+        self._warned_mfu = False
         if enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -61,6 +71,9 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.rank == 0:
             log.info(format_line(step, metrics))
+            if metrics.get("mfu_pct", 0.0) > 100 and not self._warned_mfu:
+                self._warned_mfu = True
+                log.warning(MFU_ABOVE_100, metrics["mfu_pct"])
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)

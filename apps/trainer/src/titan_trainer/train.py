@@ -233,9 +233,7 @@ def _train(config: JobConfig, info) -> TrainResult:
     accum = _accumulation_steps(config, dims)
     flops_per_token = runtime.flops_per_token
     peak = peak_flops(device, dtype, override_tflops=config.metrics.peak_tflops)
-    log.info(
-        "peak %.1f TFLOP/s (%s); %d microbatch(es) per step", peak.flops / 1e12, peak.source, accum
-    )
+    log.info("peak %s; %d microbatch(es) per step", peak.describe(), accum)
     metrics = MetricsLogger(
         dump, config.metrics.save_tb_folder, config.metrics.enable_tensorboard, info.rank
     )

@@ -1,6 +1,8 @@
 """titan-core: config machinery, ParallelDims and device meshes, device and process-group setup,
 logging, and the protocols and registries the other Titan packages plug into."""
 
+import importlib.metadata
+
 from titan_core.config import (
     ConfigError,
     config_to_dict,
@@ -28,10 +30,14 @@ from titan_core.distributed import (
 )
 from titan_core.flops import (
     PEAK_TFLOPS,
+    CpuBound,
     PeakFlops,
+    cpu_peak_bound,
     lookup_peak_flops,
     measure_matmul_flops,
+    peak_cache_file,
     peak_flops,
+    two_significant,
 )
 from titan_core.init import ParamInit, init_from_plan_, init_parameter_
 from titan_core.log import get_logger, init_logging
@@ -54,7 +60,7 @@ from titan_core.protocols import (
 from titan_core.sections import Comm, Job
 from titan_core.seed import set_seed
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("titan-core")  # the pyproject's version, one source
 
 __all__ = [
     "DEVICE_MEMORY_GIB",
@@ -67,6 +73,7 @@ __all__ = [
     "Comm",
     "ConfigError",
     "Converter",
+    "CpuBound",
     "DataSpec",
     "DistInfo",
     "HFAdapter",
@@ -86,6 +93,7 @@ __all__ = [
     "available",
     "backend_for",
     "config_to_dict",
+    "cpu_peak_bound",
     "destroy_distributed",
     "device_name",
     "field_docs",
@@ -97,6 +105,7 @@ __all__ = [
     "local_device",
     "lookup_peak_flops",
     "measure_matmul_flops",
+    "peak_cache_file",
     "peak_flops",
     "render_help",
     "resolve",
@@ -104,6 +113,7 @@ __all__ = [
     "set_seed",
     "supports_bf16",
     "to_toml",
+    "two_significant",
     "validate",
     "world_size_from_env",
 ]

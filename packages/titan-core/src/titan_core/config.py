@@ -24,7 +24,7 @@ import textwrap
 import tomllib
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -359,11 +359,17 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(
-    cls: type[T], args: Sequence[str] = (), *, toml_path: str | Path | None = None
+    cls: type[T],
+    args: Sequence[str] = (),
+    *,
+    toml_path: str | Path | None = None,
+    find_config_file: Callable[[str], Path] | None = None,
 ) -> T:
     """Build a `cls` config from its defaults, a TOML file and `--section.key value` overrides.
 
-    The TOML file comes from `toml_path` or from `--job.config_file PATH` among `args`.
+    The TOML file comes from `toml_path` or from `--job.config_file PATH` among `args`;
+    `find_config_file`, when given, turns that value into the file to read (an application
+    finds the configs it ships by name this way) and raises `ConfigError` when there is none.
     Raises `ConfigError` listing every problem found.
     """
     args = list(args)
@@ -381,7 +387,7 @@ def load_config(
                 break
     raw: dict[str, Any] = {}
     if toml_path is not None:
-        path = Path(toml_path)
+        path = Path(toml_path) if find_config_file is None else find_config_file(str(toml_path))
         if not path.is_file():
             raise ConfigError(
                 f"config file {str(path)!r} does not exist\npass an existing TOML file"

@@ -1,12 +1,14 @@
 """titan-float8: Float8 training through torchao, as a Titan model converter."""
 
+import importlib.metadata
+
 from titan_float8.config import Float8, recipe_names
 from titan_float8.converter import Float8Converter, build_float8_converter
 from titan_float8.filters import skip_reason, too_small_for_float8
 from titan_float8.hardware import float8_hardware_problem
 from titan_float8.tensor_parallel import float8_tp_styles
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("titan-float8")  # the pyproject's version, one source
 
 __all__ = [
     "Float8",

@@ -1,5 +1,7 @@
 """Titan model zoo: model families registered under the `titan.models` entry-point group."""
 
+import importlib.metadata
+
 from titan_models.llama3 import (
     LlamaArgs,
     LlamaHFAdapter,
@@ -9,6 +11,8 @@ from titan_models.llama3 import (
     llama_flops_per_token,
     llama_param_count,
 )
+
+__version__ = importlib.metadata.version("titan-models")  # the pyproject's version, one source
 
 __all__ = [
     "LlamaArgs",

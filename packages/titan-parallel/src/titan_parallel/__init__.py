@@ -3,6 +3,8 @@ activation checkpointing and torch.compile to a block-structured model, and the 
 utilities a training loop needs with them (global gradient clipping, metric reduction, exact
 initialisation under sharding)."""
 
+import importlib.metadata
+
 from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
 from titan_parallel.compile import apply_compile, compile_loss
 from titan_parallel.config import (
@@ -32,7 +34,7 @@ from titan_parallel.parallelize import parallelize
 from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, loss_context
 from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("titan-parallel")  # the pyproject's version, one source
 
 __all__ = [
     "SAVE_OPS",

@@ -1,0 +1,175 @@
+"""The configs and launch scripts ship with titan-trainer and are found by name from any folder,
+whether titan-trainer is the workspace's editable install or a wheel in a clean venv (`nox -s
+packaging` runs this file against the built wheel). The launch scripts run for real, with only
+the cluster tools (torchrun, srun, scontrol) replaced by recorders, since there is no cluster."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from titan_core import ConfigError
+from titan_trainer.shipped import LAUNCH_SCRIPTS, find_config_file, shipped_configs, shipped_root
+
+TRAINER = Path(__file__).resolve().parents[1]  # apps/trainer: the files as they are edited
+BIN = Path(sys.executable).parent
+
+
+def test_every_config_and_launch_script_ships_unchanged():
+    edited = {p.stem: p for p in (TRAINER / "configs").glob("*.toml")}
+    assert set(shipped_configs()) == set(edited) >= {"debug_model", "llama3_8b", "llama3_70b"}
+    for name, path in shipped_configs().items():
+        assert path.read_bytes() == edited[name].read_bytes(), name
+    for script in LAUNCH_SCRIPTS:
+        assert (shipped_root() / script).read_bytes() == (TRAINER / script).read_bytes(), script
+
+
+def test_a_config_name_finds_the_shipped_file_unless_such_a_file_exists(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    debug = shipped_configs()["debug_model"]
+    for given in ("debug_model", "debug_model.toml", "configs/debug_model.toml"):
+        assert find_config_file(given) == debug, given
+    (tmp_path / "debug_model.toml").write_text("[training]\nsteps = 3\n")
+    assert find_config_file("debug_model.toml") == Path("debug_model.toml")  # the user's own
+    with pytest.raises(ConfigError, match="did you mean debug_model"):
+        find_config_file("debug_modle")
+    with pytest.raises(ConfigError, match="ships no config of that name"):
+        find_config_file("elsewhere/debug_model.toml")  # a path, not a name: no guessing
+
+
+def test_list_configs_and_config_path_answer_without_importing_torch(tmp_path):
+    code = textwrap.dedent(
+        """
+        import sys
+        from titan_trainer.cli import main
+        main(["--list-configs"])
+        main(["--config-path", "llama3_8b"])
+        assert "torch" not in sys.modules, "imported torch"
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == str(shipped_configs()["llama3_8b"].resolve())
+    for name in shipped_configs():
+        assert any(line.split()[:1] == [name] for line in lines), name
+    assert str(shipped_root() / "scripts/multinode.sbatch") in done.stdout
+
+
+def test_the_readme_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
+    readme = (TRAINER / "README.md").read_text()
+    (command,) = [
+        line for line in readme.splitlines() if line.startswith("titan-train --job.config_file")
+    ]
+    done = subprocess.run(
+        shlex.split(command),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "step    5 | loss" in done.stdout
+    # Outputs land under the folder it ran in, with the name it was given.
+    assert 'config_file = "debug_model"' in (tmp_path / "outputs/debug/config.toml").read_text()
+
+
+def _recorder(folder: Path, name: str, body: str = "") -> None:
+    """A stand-in for a cluster tool: does `body`, else writes its arguments to $RECORD."""
+    path = folder / name
+    path.write_text(f'#!/usr/bin/env bash\n{body}\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    path.chmod(0o755)
+
+
+def _launch(script: str, args: list[str], cwd: Path, tmp_path: Path, **env: str):
+    tools = tmp_path / "cluster-tools"
+    tools.mkdir(exist_ok=True)
+    _recorder(tools, "torchrun")
+    _recorder(tools, "scontrol", "echo node1; echo node2; exit 0")
+    # srun runs `hostname --ip-address` on the head node first, then torchrun on every node.
+    _recorder(tools, "srun", 'if [[ " $* " == *" hostname "* ]]; then echo 10.1.2.3; exit 0; fi')
+    record = tmp_path / "launched"
+    record.unlink(missing_ok=True)
+    done = subprocess.run(
+        ["bash", str(shipped_root() / script), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "PATH": f"{tools}:{BIN}:{os.environ['PATH']}",
+            "RECORD": str(record),
+            **env,
+        },
+    )
+    launched = record.read_text().splitlines() if record.exists() else None
+    return done, launched
+
+
+def _config_arg(launched: list[str]) -> str:
+    return launched[launched.index("--job.config_file") + 1]
+
+
+def test_run_train_sh_finds_the_config_from_any_folder(tmp_path):
+    llama8b = str(shipped_configs()["llama3_8b"].resolve())
+    for given in ("configs/llama3_8b.toml", "llama3_8b"):  # the README's spelling, and the name
+        done, launched = _launch(
+            "run_train.sh", ["--training.steps", "100"], tmp_path, tmp_path,
+            NGPU="8", CONFIG_FILE=given,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert _config_arg(launched) == llama8b
+        assert "--nproc_per_node=8" in launched and launched[-2:] == ["--training.steps", "100"]
+    own = tmp_path / "mine.toml"
+    own.write_text("[training]\nsteps = 2\n")
+    done, launched = _launch(
+        "run_train.sh", [], tmp_path, tmp_path, NGPU="1", CONFIG_FILE="mine.toml"
+    )
+    assert _config_arg(launched) == str(own.resolve())
+    done, launched = _launch("run_train.sh", [], tmp_path, tmp_path, NGPU="1", CONFIG_FILE="nope")
+    assert done.returncode != 0 and launched is None  # refused before torchrun
+    assert "ships no config of that name" in done.stderr
+
+
+def test_multinode_sbatch_resolves_the_config_in_the_submission_folder(tmp_path):
+    # sbatch runs a spool copy of the script in the submission folder; run it from elsewhere.
+    submitted_from = tmp_path / "project"
+    submitted_from.mkdir()
+    slurm = {
+        "SLURM_SUBMIT_DIR": str(submitted_from),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_ID": "42",
+    }
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    # The root README's command: `... multinode.sbatch configs/llama3_70b.toml` from the repo
+    # root, where there is no configs/ folder; it names the shipped config.
+    done, launched = _launch(
+        "scripts/multinode.sbatch",
+        ["configs/llama3_70b.toml", "--training.steps", "10"],
+        spool,
+        tmp_path,
+        **slurm,
+    )
+    assert done.returncode == 0, done.stderr
+    assert launched[0] == "torchrun"
+    assert _config_arg(launched) == str(shipped_configs()["llama3_70b"].resolve())
+    assert "10.1.2.3:29500" in launched and launched[-2:] == ["--training.steps", "10"]
+    # A user's own TOML, relative to the submission folder, arrives as an absolute path.
+    (submitted_from / "ours.toml").write_text("[training]\nsteps = 2\n")
+    done, launched = _launch("scripts/multinode.sbatch", ["ours.toml"], spool, tmp_path, **slurm)
+    assert _config_arg(launched) == str((submitted_from / "ours.toml").resolve())
+    done, launched = _launch("scripts/multinode.sbatch", ["nope.toml"], spool, tmp_path, **slurm)
+    assert done.returncode != 0 and launched is None  # refused before any srun
+    assert "ships no config of that name" in done.stderr
