@@ -293,3 +293,20 @@ def bench(session: nox.Session) -> None:
             *session.posargs,
             env={"PYTHONUNBUFFERED": "1", **os.environ},
         )
+
+
+@nox.session(name="dryrun-405b", venv_backend="none")
+def dryrun_405b(session: nox.Session) -> None:
+    """The 405B config's full dry run at 512 ranks, every pipeline rank role (not in the default
+    set: the default suite runs it with fewer microbatches; see the trainer README for times)."""
+    session.run(
+        "uv",
+        "run",
+        "--frozen",
+        "titan-train",
+        "--job.config_file",
+        "apps/trainer/configs/llama3_405b.toml",
+        "--dry-run",
+        *session.posargs,
+        env={"PYTHONUNBUFFERED": "1", **os.environ},
+    )

@@ -1,6 +1,6 @@
 """The dry run's memory estimate against measurement, as JSON lines (one per layout and rank role).
 
-    uv run python bench/memory_predictor.py [--layouts fsdp2,pp2] [--seq-len 1024]
+    uv run python bench/memory_predictor.py [--layouts "FSDP 2,PP 2 (1F1B)"] [--seq-len 1024]
 
 Each layout of the debug model runs twice: simulated on fake tensors (what `titan-train
 --dry-run` predicts), and for real on CPU gloo process groups with the same memory tracker and
@@ -14,61 +14,13 @@ import argparse
 import json
 import time
 
-from titan_core import load_config, plugins, resolve
-from titan_trainer.config import JobConfig
-from titan_trainer.dry_run_check import compare_layout
-
-LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "1 process": (1, []),
-    "FSDP 2": (2, []),
-    "HSDP 2x2": (
-        4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-        ],
-    ),
-    "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "PP 2 (1F1B)": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "CP 2": (
-        2,
-        [
-            "--parallelism.context_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-        ],
-    ),
-    "FSDP 2, AC full": (2, ["--activation_checkpoint.mode", "full"]),
-    "FSDP 2, AC selective op": (2, ["--activation_checkpoint.mode", "selective"]),
-    "FSDP 2, Float8": (2, ["--model.converters", "quantize.linear.float8"]),
-}
-
-
-def layout_config(extra: list[str], seq_len: int, batch: int) -> JobConfig:
-    return load_config(
-        JobConfig,
-        [
-            "--model.flavor",
-            "debugmodel",
-            "--training.seq_len",
-            str(seq_len),
-            "--training.local_batch_size",
-            str(batch),
-            "--training.mixed_precision_param",
-            "float32",
-            "--activation_checkpoint.mode",
-            "none",
-            *extra,
-        ],
-    )
+from titan_core import plugins, resolve
+from titan_trainer.dry_run_check import LAYOUTS, compare_layout, layout_config
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layout names")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args()

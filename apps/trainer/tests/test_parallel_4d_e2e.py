@@ -1,7 +1,7 @@
 """8-process trainer runs composing three parallelisms on CPU, against one process.
 
-Pipeline stages initialise only their own modules, so every run starts from one seed
-checkpoint written by a single process (the workflow a cluster uses too).
+No seed checkpoint: initial weights are a function of (seed, parameter name), so pipeline
+stages, TP and FSDP shards all start from the weights the single process draws.
 """
 
 from __future__ import annotations
@@ -10,27 +10,7 @@ import pytest
 from conftest import STEPS, fp32_args, parse_losses, run_cli
 
 
-@pytest.fixture(scope="module")
-def seed_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("seed")
-    result = run_cli(
-        [
-            "--job.config_file",
-            "apps/trainer/configs/debug_model.toml",
-            "--job.dump_folder",
-            str(out),
-            "--training.seq_len",
-            "128",
-            "--checkpoint.create_seed_checkpoint",
-        ]
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    step0 = out / "checkpoint" / "step-0"
-    assert step0.is_dir()
-    return str(step0)
-
-
-def _args(tmp, dataset, seed):
+def _args(tmp, dataset):
     return [
         *fp32_args(
             [
@@ -45,16 +25,14 @@ def _args(tmp, dataset, seed):
             ],
             dataset,
         ),
-        "--checkpoint.initial_load_path",
-        seed,
     ]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, same_doc_dataset, seed_checkpoint):
+def reference(tmp_path_factory, same_doc_dataset):
     result = run_cli(
         [
-            *_args(tmp_path_factory.mktemp("ref4d"), same_doc_dataset, seed_checkpoint),
+            *_args(tmp_path_factory.mktemp("ref4d"), same_doc_dataset),
             "--training.global_batch_size",
             "8",
         ]
@@ -83,10 +61,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_three_way_layout_on_8_processes_matches_one_process(
-    layout, tmp_path, same_doc_dataset, seed_checkpoint, reference
+    layout, tmp_path, same_doc_dataset, reference
 ):
     result = run_cli(
-        [*_args(tmp_path, same_doc_dataset, seed_checkpoint), *LAYOUTS[layout]],
+        [*_args(tmp_path, same_doc_dataset), *LAYOUTS[layout]],
         nproc=8,
         timeout=800,
     )

@@ -18,10 +18,59 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titan_core import load_config
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
 from titan_trainer.dry_run import RoleResult, rank_roles, simulate_rank
+
+# Small layouts of the debug model (fp32, no compile) whose peaks are compared.
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "1 process": (1, []),
+    "FSDP 2": (2, []),
+    "HSDP 2x2": (
+        4,
+        [
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+        ],
+    ),
+    "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "PP 2 (1F1B)": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "CP 2": (
+        2,
+        [
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+        ],
+    ),
+    "FSDP 2 + AC full": (2, ["--activation_checkpoint.mode", "full"]),
+    "FSDP 2 + AC selective op": (2, ["--activation_checkpoint.mode", "selective"]),
+    "FSDP 2 + Float8": (2, ["--model.converters", "quantize.linear.float8"]),
+}
+
+
+def layout_config(extra: list[str], seq_len: int, batch: int) -> JobConfig:
+    return load_config(
+        JobConfig,
+        [
+            "--model.flavor",
+            "debugmodel",
+            "--training.seq_len",
+            str(seq_len),
+            "--training.local_batch_size",
+            str(batch),
+            "--training.mixed_precision_param",
+            "float32",
+            "--activation_checkpoint.mode",
+            "none",
+            *extra,
+        ],
+    )
 
 
 @dataclass
