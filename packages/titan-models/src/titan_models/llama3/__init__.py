@@ -4,7 +4,7 @@ from titan_core.protocols import ModelSpec
 from titan_models.llama3.args import LlamaArgs, llama3_flavors
 from titan_models.llama3.flops import llama_flops_per_token, llama_param_count
 from titan_models.llama3.hf_adapter import LlamaHFAdapter
-from titan_models.llama3.model import Transformer
+from titan_models.llama3.model import Transformer, block_init_plan
 
 llama3_spec = ModelSpec(
     name="llama3", flavors=llama3_flavors, build=Transformer, hf_adapter=LlamaHFAdapter
@@ -14,6 +14,7 @@ __all__ = [
     "LlamaArgs",
     "LlamaHFAdapter",
     "Transformer",
+    "block_init_plan",
     "llama3_flavors",
     "llama3_spec",
     "llama_flops_per_token",
