@@ -6,6 +6,7 @@ import pytest
 from conftest import Root, config_error
 
 from titan_core import ConfigError, load_config, render_help, to_toml
+from titan_core.config import ConfigCompat
 
 TOML = """
 [job]
@@ -246,3 +247,39 @@ def test_an_application_maps_config_file_names_to_files(toml_file):
         load_config(Root, ["--job.config_file", "other"], find_config_file=find)
     # Without a finder the value is a path, as before.
     assert "does not exist" in config_error(Root, ["--job.config_file", "named-run"])
+
+
+@dataclasses.dataclass
+class _CompatTrain:
+    seed: int = 0
+    """Seed."""
+    steps: int = 1
+    """Steps."""
+
+
+@dataclasses.dataclass
+class _CompatRoot:
+    __config_compat__ = ConfigCompat(
+        aliases={"debug.seed": "train.seed"},
+        unimplemented={"train.fancy", "extra.thing"},
+        renamed={"train.n_steps": "train.steps"},
+    )
+    train: _CompatTrain = dataclasses.field(default_factory=_CompatTrain)
+
+
+def test_config_compat_aliases_warns_once_for_unimplemented_and_names_renamed_keys(
+    tmp_path, caplog
+):
+    import logging
+
+    path = tmp_path / "c.toml"
+    path.write_text("[debug]\nseed = 5\n[train]\nfancy = true\n[extra]\nthing = 1\n")
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        cfg = load_config(_CompatRoot, toml_path=path)
+    assert cfg.train.seed == 5
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("titan")]
+    assert messages == ["ignoring keys Titan does not implement: [train] fancy, [extra] thing"]
+    with pytest.raises(
+        ConfigError, match=r"\[train\] n_steps was renamed \(from --train.n_steps\)"
+    ):
+        load_config(_CompatRoot, ["--train.n_steps", "3"])
