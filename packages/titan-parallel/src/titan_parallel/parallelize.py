@@ -72,7 +72,7 @@ def parallelize(
             async_tp=parallelism.enable_async_tensor_parallel,
         )
     apply_ac(model, ac)
-    if dims.tp_enabled and compile.compiles("model"):
+    if dims.tp_enabled:
         copy_block_inputs(model)
     apply_compile(model, compile)
     if dims.fsdp_enabled:

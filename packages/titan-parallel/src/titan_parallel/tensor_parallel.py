@@ -238,7 +238,8 @@ def copy_block_inputs(model: nn.Module) -> None:
     Under TP the embedding returns `to_local()` of its output, a view. When the first block is
     compiled, AOTAutograd replays that view from its base in backward and the gradient skips
     DTensor's own backward, which then fails ("'Tensor' object has no attribute
-    '_local_tensor'"). One copy of one activation per step avoids it.
+    '_local_tensor'"); under FSDP an in-place op on the view would drop FSDP's backward hook.
+    One copy of one activation per step avoids both; `parallelize` does it whenever TP is on.
     """
     for name in getattr(model, "pre_blocks", ()):
         module = getattr(model, name, None)
