@@ -213,3 +213,26 @@ def test_training_run_checks_the_layout_before_creating_process_groups(tmp_path,
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr, result.stderr
+
+
+def test_training_a_model_this_machine_cannot_hold_stops_before_allocating(tmp_path):
+    # The 8B config on one process: 8B fp32 parameters, gradients and two AdamW states are
+    # ~120 GiB. The run must say so at once, not start allocating.
+    result = run_cli(
+        [
+            "--job.config_file",
+            "llama3_8b",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.dataset",
+            "pydocs",
+            "--training.steps",
+            "1",
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert (
+        "needs 119.7 GiB for its parameters, gradients and optimizer state alone" in result.stderr
+    )
+    assert "--dry-run" in result.stderr

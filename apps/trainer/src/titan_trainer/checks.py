@@ -245,3 +245,42 @@ def _pipeline_problems(
     except ConfigError as e:
         return e.problems
     return []
+
+
+def state_memory_problem(parts, device: torch.device, optimizer_states: int = 2) -> str | None:
+    """Whether this rank's persistent state alone (parameter shards, their gradients and the
+    optimizer's states, counted from the meta-device model) exceeds the memory the device has
+    free. A cheap check before anything is allocated; `--dry-run` gives the full picture."""
+    from torch.distributed.tensor import DTensor
+
+    from titan_core import MemoryMonitor
+
+    nbytes = 0
+    for part in parts:
+        for p in part.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            nbytes += local.numel() * local.element_size() * (2 + optimizer_states)
+    stats = MemoryMonitor(device).stats()
+    free = _free_bytes(device, stats)
+    if nbytes <= free:
+        return None
+    gib = 1024**3
+    return (
+        f"this rank needs {nbytes / gib:.1f} GiB for its parameters, gradients and optimizer state"
+        f" alone, and {device.type} has {free / gib:.1f} GiB free\n"
+        "shard more (FSDP over more ranks, TP, PP), or plan a layout with --dry-run first"
+    )
+
+
+def _free_bytes(device: torch.device, stats) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(stats.total_gib * 1024**3)

@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         get_logger("checks").info(note)
     from titan_trainer.train import train
 
-    result = train(config)
+    try:
+        result = train(config)
+    except ConfigError as e:  # found once the layout is known, before any memory is used
+        print(e, file=sys.stderr)
+        return 2
     return 130 if result.stopped_early and not result.steps_run else 0
 
 

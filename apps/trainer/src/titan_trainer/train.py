@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core import (
+    ConfigError,
     MemoryMonitor,
     ParallelDims,
     get_logger,
@@ -34,7 +35,7 @@ from titan_core import (
     to_toml,
 )
 from titan_core.distributed import destroy_distributed
-from titan_trainer.checks import model_args_for
+from titan_trainer.checks import model_args_for, state_memory_problem
 from titan_trainer.config import JobConfig
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
@@ -197,6 +198,9 @@ def _train(config: JobConfig, info) -> TrainResult:
     ]
     runtime = build_parallel_runtime(config, dims, device, dtype, seed, cross_entropy_loss)
     model_parts = build_model(config, runtime, tokenizer.vocab_size, converters)
+    problem = state_memory_problem(model_parts, device)
+    if problem:  # before anything is allocated: this job cannot hold its state here
+        raise ConfigError(problem)
     runtime.materialize(model_parts)
     optimizer = build_optimizer(model_parts, config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
