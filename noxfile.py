@@ -297,8 +297,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="dryrun-405b", venv_backend="none")
 def dryrun_405b(session: nox.Session) -> None:
-    """The 405B config's full dry run at 512 ranks, every pipeline rank role (not in the default
-    set: the default suite runs it with fewer microbatches; see the trainer README for times)."""
+    """The 405B config's dry run at 512 ranks with every pipeline rank simulated (the default
+    suite simulates the first and the last; see the trainer README for times)."""
     session.run(
         "uv",
         "run",
@@ -307,6 +307,7 @@ def dryrun_405b(session: nox.Session) -> None:
         "--job.config_file",
         "apps/trainer/configs/llama3_405b.toml",
         "--dry-run",
+        "--dry_run.all_ranks",
         *session.posargs,
         env={"PYTHONUNBUFFERED": "1", **os.environ},
     )

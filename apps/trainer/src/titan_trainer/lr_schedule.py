@@ -1,6 +1,12 @@
 """Learning-rate schedule: linear warm-up, a stable plateau, then a decay (warmup-stable-decay).
 
 With `decay_ratio` unset the decay spans every step after warm-up (the classic warm-up + decay).
+
+The schedule is always the one of the current config. Resuming with another `training.steps`
+(extending a run) or other `[lr_scheduler]` keys recomputes it for the new settings and applies
+it from the resumed step on, the first resumed step included; a warning gives the learning rate
+the old schedule would have used at that step and the one used now (with warmup-stable-decay, a
+longer run lengthens the stable phase, so a run resumed after its decay began jumps back up).
 The factor multiplies the optimizer's peak `lr`; step s (0-based) is the s+1-th optimizer step:
 
     warm-up   s < W:          (s + 1) / (W + 1)            never exactly zero
@@ -16,6 +22,10 @@ from functools import partial
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from titan_core import get_logger
+
+log = get_logger("lr_schedule")
 
 _CURVES = {
     "linear": lambda p: 1.0 - p,
@@ -51,15 +61,62 @@ def lr_factor(
     return min_lr_factor + (1.0 - min_lr_factor) * _CURVES[decay_type](progress)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LambdaLR:
-    """A LambdaLR over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps."""
-    warmup, stable, decay = schedule_phases(total_steps, cfg.warmup_steps, cfg.decay_ratio)
-    factor = partial(
+def _factor_fn(total_steps: int, settings: dict):
+    warmup, stable, decay = schedule_phases(
+        total_steps, settings["warmup_steps"], settings["decay_ratio"]
+    )
+    return partial(
         lr_factor,
         warmup=warmup,
         stable=stable,
         decay=decay,
-        decay_type=cfg.decay_type,
-        min_lr_factor=cfg.min_lr_factor,
+        decay_type=settings["decay_type"],
+        min_lr_factor=settings["min_lr_factor"],
     )
-    return LambdaLR(optimizer, factor)
+
+
+class LRSchedule(LambdaLR):
+    """LambdaLR whose checkpoint records the schedule it followed (see the module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+        self.schedule = {
+            "total_steps": total_steps,
+            "warmup_steps": cfg.warmup_steps,
+            "decay_ratio": cfg.decay_ratio,
+            "decay_type": cfg.decay_type,
+            "min_lr_factor": cfg.min_lr_factor,
+        }
+        super().__init__(optimizer, _factor_fn(total_steps, self.schedule))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        current = dict(self.schedule)
+        super().load_state_dict(state_dict)
+        previous, self.schedule = self.schedule, current
+        # LambdaLR would keep the checkpoint's learning rate until its next step: set the
+        # current schedule's value for the step about to run.
+        for group, lr in zip(self.optimizer.param_groups, self._current_lrs()):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if previous != current:
+            old = _factor_fn(previous["total_steps"], previous)(self.last_epoch)
+            new = _factor_fn(current["total_steps"], current)(self.last_epoch)
+            changed = ", ".join(
+                f"{k} {previous.get(k)} -> {v}" for k, v in current.items() if previous.get(k) != v
+            )
+            log.warning(
+                "the learning-rate schedule changed since the checkpoint (%s); it is recomputed"
+                " for the new settings from step %d on: lr factor %.4g there under the old"
+                " schedule, %.4g under the new one",
+                changed,
+                self.last_epoch + 1,
+                old,
+                new,
+            )
+
+    def _current_lrs(self) -> list[float]:
+        return [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
+    """The schedule over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps."""
+    return LRSchedule(optimizer, cfg, total_steps)
