@@ -1,0 +1,52 @@
+"""The errors a checkpoint user sees, and the one-line reason behind a failed save."""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (disk full, I/O error) or was refused (NaN or inf in the
+    state); the previous checkpoint is intact and stays the newest."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """No checkpoint could be restored: the one asked for, or every one in the folder, failed
+    its checks; the message names each and why."""
+
+
+def failure_reason(error: BaseException) -> str | None:
+    """The operating system's reason behind a failed write ("No space left on device", "File
+    too large", "Read-only file system"), found in the exception chain of any rank's failure;
+    None when there is none (DCP itself may only say "unexpected pos 704 vs 598")."""
+    for failure in _failures(error):
+        seen = set()
+        cause: BaseException | None = failure
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, OSError) and cause.errno:
+                where = f" ({cause.filename})" if cause.filename else ""
+                return f"{cause.strerror or os.strerror(cause.errno)}{where}"
+            cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def first_line(error: BaseException) -> str:
+    """`Type: first line of the message` of the first rank's failure."""
+    failure = next(iter(_failures(error)), error)
+    text = str(failure).strip().splitlines()
+    return f"{type(failure).__name__}: {text[0]}" if text else type(failure).__name__
+
+
+def _failures(error: BaseException) -> list[BaseException]:
+    # DCP gathers every rank's exception into one CheckpointException (a BaseException).
+    if isinstance(error, CheckpointException):
+        found = []
+        for failure in error.failures.values():
+            exc = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(exc, BaseException):
+                found.append(exc)
+        return found or [error]
+    return [error]
