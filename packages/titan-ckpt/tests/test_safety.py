@@ -154,3 +154,23 @@ def test_the_commit_marker_records_every_file_and_that_values_were_checked(folde
         len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in record["files"].values()
     )
     assert not list(folder.glob("step-4/*.sum.json"))  # the ranks' side files are merged away
+
+
+def test_the_nonfinite_scan_is_exact_for_huge_finite_values_and_every_dtype():
+    from titan_ckpt.integrity import nonfinite_entries
+
+    huge = torch.full((8,), 3e38)  # finite, but its 2-norm overflows: checked element-wise
+    state = {
+        "huge": huge,
+        "bf16": torch.ones(4, dtype=torch.bfloat16),
+        "ints": torch.arange(3),
+        "lr": 1e-3,
+        "nested": {"nan": torch.tensor([1.0, float("nan")]), "inf": float("inf")},
+        "half": torch.tensor([float("-inf")], dtype=torch.float16),
+        "empty": torch.empty(0),
+    }
+    assert sorted(nonfinite_entries(state, "opt")) == [
+        "opt.half",
+        "opt.nested.inf",
+        "opt.nested.nan",
+    ]

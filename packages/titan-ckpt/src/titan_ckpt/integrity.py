@@ -108,8 +108,9 @@ def _check_file(path: Path, expected: Mapping[str, Any]) -> str | None:
 def nonfinite_entries(state_dict: Mapping[str, Any], prefix: str = "") -> list[str]:
     """Names of floating tensors (this rank's shard of a DTensor) and floats holding NaN or inf.
 
-    One fused reduction per device and dtype (the largest absolute value, which is NaN or inf
-    exactly when some element is), and one read back."""
+    One fused 2-norm per device and dtype and one read back: a norm is finite exactly when every
+    element is, except when the squares overflow, and only those tensors are checked element
+    by element. (The 2-norm is several times faster than the max-abs norm on CPU.)"""
     names: list[str] = []
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[str], list[torch.Tensor]]] = {}
     for key, value in _flatten(state_dict, prefix):
@@ -123,9 +124,9 @@ def nonfinite_entries(state_dict: Mapping[str, Any], prefix: str = "") -> list[s
         elif isinstance(value, float) and not math.isfinite(value):
             names.append(key)
     for keys, tensors in groups.values():
-        amax = torch.stack(torch._foreach_norm(tensors, float("inf")))
-        bad = (~torch.isfinite(amax)).tolist()
-        names.extend(k for k, b in zip(keys, bad) if b)
+        norms = torch.stack(torch._foreach_norm(tensors, 2.0))
+        suspects = (~torch.isfinite(norms)).nonzero().flatten().tolist()
+        names.extend(keys[i] for i in suspects if not bool(torch.isfinite(tensors[i]).all()))
     return names
 
 
