@@ -38,9 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    from titan_core import RunFolderError
+    from titan_trainer.guards import NonFiniteStepError, StartupError
     from titan_trainer.train import train
 
-    result = train(config)
+    try:
+        result = train(config)
+    except (StartupError, RunFolderError, NonFiniteStepError) as e:
+        # Problems with the run's data, folders or numbers: the message says what to do.
+        first, *rest = str(e).split("\n")
+        print(
+            "\n".join(["titan: error: " + first, *("       " + line for line in rest)]),
+            file=sys.stderr,
+        )
+        return 1
     return 130 if result.stopped_early and not result.steps_run else 0
 
 

@@ -14,7 +14,7 @@ class Validator:
     """Evaluates the mean loss over the first `steps` batches of the validation dataset (the
     same batches every time, so the numbers are comparable across the run)."""
 
-    def __init__(self, cfg, data, tokenizer, dp_rank: int, dp_world: int):
+    def __init__(self, cfg, data, tokenizer, dp_rank: int, dp_world: int, bad_rows: str = "error"):
         self.cfg = cfg
         self.build = lambda: data.build_dataloader(
             dataset=cfg.dataset,
@@ -25,6 +25,7 @@ class Validator:
             dp_rank=dp_rank,
             dp_world_size=dp_world,
             infinite=False,
+            bad_rows=bad_rows,
         )
 
     def due(self, step: int) -> bool:
@@ -54,4 +55,4 @@ class Validator:
             raise RuntimeError(
                 f"validation dataset {self.cfg.dataset!r} produced no batch; use a larger dataset or a smaller seq_len"
             )
-        return runtime.reduce_loss((total / count).float())
+        return float(runtime.reduce_loss((total / count).float()))

@@ -198,6 +198,10 @@ def check_writable(folder: str | Path, *, purpose: str = "folder") -> None:
         reason = e.strerror or str(e)
         raise RunFolderError(
             f"the {purpose} {folder} is not writable: {reason}"
-            + (f" ({e.filename})" if str(e.filename) not in (str(folder), str(probe), "None") else "")
+            + (
+                f" ({e.filename})"
+                if str(e.filename) not in (str(folder), str(probe), "None")
+                else ""
+            )
             + "\nmake it writable, free space on its disk, or point the run at another folder"
         ) from e
