@@ -38,7 +38,10 @@ def tmp_dir(folder: str | Path, step: int) -> Path:
 
 def is_complete(path: str | Path) -> bool:
     path = Path(path)
-    return (path / COMMIT_FILE).is_file() and (path / ".metadata").is_file()
+    try:
+        return (path / COMMIT_FILE).is_file() and (path / ".metadata").is_file()
+    except OSError:  # a folder this process may not look into
+        return False
 
 
 def read_commit(path: str | Path) -> dict[str, Any]:
@@ -59,9 +62,16 @@ def committed(folder: str | Path) -> list[tuple[int, Path]]:
     found = []
     for entry in folder.iterdir():
         match = _STEP.match(entry.name)
-        if match and entry.is_dir() and (entry / COMMIT_FILE).exists():
+        if match and entry.is_dir() and _has_marker(entry):
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def _has_marker(path: Path) -> bool:
+    try:
+        return (path / COMMIT_FILE).exists()
+    except OSError:  # cannot even look: report it when loading rather than skip it silently
+        return True
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
@@ -139,7 +149,7 @@ def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[
             continue
         # A `step-<N>` without a marker was never committed; a committed one with a file
         # missing is kept (and reported when loaded), never deleted behind the user's back.
-        incomplete_step = _STEP.match(entry.name) and not (entry / COMMIT_FILE).exists()
+        incomplete_step = _STEP.match(entry.name) and not _has_marker(entry)
         if _LEFTOVER.match(entry.name) or incomplete_step:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
