@@ -5,6 +5,7 @@ applies or saves a NaN step, and bad data or folders stop the run at start-up in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -253,7 +254,9 @@ def test_data_that_yields_no_tokens_stops_the_run_at_start_up(tmp_path, capsys):
         _debug(tmp_path, "--training.dataset", str(tmp_path / "empty.txt")), capsys
     )
     assert code == 1, out + err
-    assert err.startswith(f"titan: error: [training] dataset '{tmp_path / 'empty.txt'}':"), err
+    assert error_of(err).startswith(
+        f"titan: error: [training] dataset '{tmp_path / 'empty.txt'}':"
+    ), err
     assert "no token in a whole pass" in err and "Traceback" not in err
 
 
@@ -267,23 +270,33 @@ def test_a_bad_row_is_named_by_file_and_line_before_training(tmp_path, capsys):
     assert 'set bad_rows = "skip"' in err and "| loss" not in out
 
 
-def test_a_read_only_dump_folder_is_reported_at_start_up(tmp_path, capsys):
-    dump = tmp_path / "run"
-    dump.mkdir()
+@contextlib.contextmanager
+def _read_only(path: Path):
+    """chmod for a normal user; root ignores modes, so the immutable attribute for root."""
+    path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
-        dump.chmod(0o555)
-        undo = ["chmod", "755", str(dump)]
-    else:  # root ignores modes; the immutable attribute stops it
-        done = subprocess.run(["chattr", "+i", str(dump)], capture_output=True, text=True)
+        path.chmod(0o555)
+        undo = ["chmod", "755", str(path)]
+    else:
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"running as root and chattr +i failed here ({done.stderr.strip()})")
-        undo = ["chattr", "-i", str(dump)]
+        undo = ["chattr", "-i", str(path)]
     try:
-        code, out, err = _main(_debug(tmp_path, "--training.steps", "1"), capsys)
+        yield
     finally:
         subprocess.run(undo, check=True)
+
+
+@pytest.mark.parametrize("which", ["dump", "checkpoint"])
+def test_a_read_only_folder_is_reported_at_start_up(tmp_path, capsys, which):
+    folder = tmp_path / "run" / ("checkpoint" if which == "checkpoint" else "")
+    with _read_only(folder):
+        code, out, err = _main(
+            _debug(tmp_path, "--training.steps", "1", "--checkpoint.enable"), capsys
+        )
     assert code == 1, out + err
-    first = err.splitlines()[0]
-    assert first.startswith(f"titan: error: the dump folder {dump} is not writable: "), err
+    first = error_of(err).splitlines()[0]
+    assert first.startswith(f"titan: error: the {which} folder {folder} is not writable: "), err
     assert first.endswith(("Permission denied", "Operation not permitted"))
-    assert list(dump.iterdir()) == []  # nothing written
+    assert "| loss" not in out  # stopped before training
