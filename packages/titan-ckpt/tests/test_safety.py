@@ -3,8 +3,11 @@ clear message (and nothing runs), and a state with a non-finite value is never s
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
+import pickle
 
 import corrupt
 import pytest
@@ -21,6 +24,8 @@ from titan_ckpt import (
 )
 from titan_ckpt.cli import main as titan_ckpt
 from titan_ckpt.dcp_io import checkpoint_keys
+from titan_ckpt.errors import first_line
+from titan_ckpt.integrity import nonfinite_entries
 
 
 def _manager(states, folder, **cfg):
@@ -157,8 +162,6 @@ def test_the_commit_marker_records_every_file_and_that_values_were_checked(folde
 
 
 def test_the_nonfinite_scan_is_exact_for_huge_finite_values_and_every_dtype():
-    from titan_ckpt.integrity import nonfinite_entries
-
     huge = torch.full((8,), 3e38)  # finite, but its 2-norm overflows: checked element-wise
     state = {
         "huge": huge,
@@ -174,3 +177,19 @@ def test_the_nonfinite_scan_is_exact_for_huge_finite_values_and_every_dtype():
         "opt.nested.inf",
         "opt.nested.nan",
     ]
+
+
+def test_torchs_weights_only_refusal_is_reported_without_its_advice_to_load_unsafely():
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    buffer = io.BytesIO()
+    torch.save({"t": RunsCode()}, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError) as info:
+        torch.load(buffer, weights_only=True)  # what DCP's reader does with every tensor
+    assert "weights_only` set to `False`" in str(info.value)  # torch's own advice...
+    line = first_line(info.value)
+    assert line.startswith("refused to load a saved tensor: ") and "posix.system" in line
+    assert "False" not in line and "never runs code" in line  # ...is not passed on

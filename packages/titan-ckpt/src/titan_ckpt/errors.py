@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 from torch.distributed.checkpoint.api import CheckpointException
+
+from titan_ckpt.safe_read import UnsafeCheckpointError, weights_only_reason
 
 
 class CheckpointSaveError(RuntimeError):
@@ -34,8 +37,16 @@ def failure_reason(error: BaseException) -> str | None:
 
 
 def first_line(error: BaseException) -> str:
-    """`Type: first line of the message` of the first rank's failure."""
+    """`Type: first line of the message` of the first rank's failure; a weights_only refusal
+    from torch (DCP reads tensors with it) without torch's advice to load unsafely."""
     failure = next(iter(_failures(error)), error)
+    if isinstance(failure, pickle.UnpicklingError) and not isinstance(
+        failure, UnsafeCheckpointError
+    ):
+        return (
+            f"refused to load a saved tensor: {weights_only_reason(failure)}; a checkpoint holds"
+            " tensors and plain Python values only, and never runs code"
+        )
     text = str(failure).strip().splitlines()
     return f"{type(failure).__name__}: {text[0]}" if text else type(failure).__name__
 
