@@ -244,7 +244,9 @@ class CheckpointManager:
 
     def _refuse_nonfinite(self, step: int, model_only: bool) -> None:
         # The live model and optimizer, not the export-dtype copy a model-only save writes.
-        local = nonfinite_entries(ModelState(self._model_parts).state_dict(), "model")
+        local = []
+        if self._model_parts is not None:
+            local += nonfinite_entries(ModelState(self._model_parts).state_dict(), "model")
         if not model_only and "optimizer" in self.states:
             local += nonfinite_entries(self.states["optimizer"].state_dict(), "optimizer")
         bad = self._gather(local)
