@@ -63,9 +63,12 @@ def checkpoint_problems(path: str | Path, rank: int = 0, world: int = 1) -> list
     if not (path / ".metadata").is_file():
         return ["it has no .metadata (DCP's index of the saved tensors)"]
     files = record.get("files") or {}
-    problems = verify_files(path, {k: v for k, v in files.items() if k == ".metadata"})
-    data = {name: entry for name, entry in files.items() if name != ".metadata"}
-    problems += verify_files(path, data, rank, world)
+    try:
+        problems = verify_files(path, {k: v for k, v in files.items() if k == ".metadata"})
+        data = {name: entry for name, entry in files.items() if name != ".metadata"}
+        problems += verify_files(path, data, rank, world)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # every rank must answer
+        return [f"its commit marker lists checksums in a form this version cannot read ({e!r})"]
     if not problems:
         try:
             read_metadata_file(path / ".metadata")
