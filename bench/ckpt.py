@@ -1,8 +1,11 @@
 """Checkpoint benchmark: sync save time, async blocking time and load time for a model of a few
 hundred MB (a stack of fp32 linears trained with AdamW: the checkpoint holds weights and two
-moments, 3x the model), printed as JSON lines.
+moments, 3x the model), and what the integrity checks cost: a save with checksums against
+DCP's plain save of the same state, and a verified load (checksums, then read) against DCP's
+plain load, printed as JSON lines.
 
     uv run --no-sync python bench/ckpt.py [--mb 200] [--saves 3] [--interval 5] [--dir /tmp]
+    uv run --no-sync python bench/ckpt.py --only checksums
 
 The training loop is real (forward, backward, step) so that an async save's background copy and
 write overlap with compute as they would in a run. Blocking time of an async save = the save()
@@ -14,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from titan_ckpt import Checkpoint, CheckpointManager
+from titan_ckpt import Checkpoint, CheckpointManager, checkpoint_problems
+from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries
 
 
 class Step:
@@ -85,6 +92,75 @@ def train(
     return rows
 
 
+def checksum_cost(folder: str, megabytes: int, repeats: int) -> list[dict]:
+    """Median seconds of DCP's save of the full state with titan-ckpt's checksumming writer and
+    with DCP's plain writer (alternating, into fresh folders); of the NaN/inf check a save runs
+    first; of a manager's load (checksums verified, then read, then the NaN/inf check) and of
+    DCP's plain load of the same files, each into freshly built objects; and of the checksum
+    verification alone."""
+    model, optimizer = build(megabytes)
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    optimizer.step()  # the moments exist: the checkpoint is 3x the model
+    states = {"model": model, "optimizer": optimizer, "train_state": Step()}
+    wrapped = dict(CheckpointManager(Checkpoint(), states, folder).states)
+    ours, plain, scan = [], [], []
+    for _ in range(repeats):
+        for writer, times in ((ChecksummingWriter, ours), (dcp.FileSystemWriter, plain)):
+            out = Path(folder) / f"save-{writer.__name__}"
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            dcp.save(wrapped, storage_writer=writer(str(out)), no_dist=True)
+            times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        nonfinite_entries(wrapped["model"].state_dict())
+        nonfinite_entries(wrapped["optimizer"].state_dict())
+        scan.append(time.perf_counter() - start)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), states, Path(folder) / "run")
+    manager.save(1)
+    manager.close()
+    step_dir = Path(folder) / "run" / "step-1"
+    verified, plain_loads, verify_only = [], [], []
+    for _ in range(repeats):
+        fresh, opt = build(megabytes)
+        reader = CheckpointManager(
+            Checkpoint(), {"model": fresh, "optimizer": opt, "train_state": Step()}, step_dir.parent
+        )
+        start = time.perf_counter()
+        reader.load()
+        verified.append(time.perf_counter() - start)
+        fresh, opt = build(megabytes)
+        request = dict(
+            CheckpointManager(
+                Checkpoint(), {"model": fresh, "optimizer": opt}, Path(folder) / "unused"
+            ).states
+        )
+        request.pop("rng")
+        start = time.perf_counter()
+        dcp.load(request, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
+        plain_loads.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        problems = checkpoint_problems(step_dir)
+        verify_only.append(time.perf_counter() - start)
+        assert not problems, problems
+    size = sum(p.stat().st_size for p in step_dir.iterdir())
+    med = statistics.median
+    return [
+        {"metric": "checksummed_save_s", "value": round(med(ours), 4)},
+        {"metric": "plain_dcp_save_s", "value": round(med(plain), 4)},
+        {"metric": "checksummed_save_over_plain_save", "value": round(med(ours) / med(plain), 3)},
+        {"metric": "nonfinite_check_s", "value": round(med(scan), 4)},
+        {"metric": "nonfinite_check_over_plain_save", "value": round(med(scan) / med(plain), 3)},
+        {"metric": "verified_load_s", "value": round(med(verified), 4)},
+        {"metric": "plain_dcp_load_s", "value": round(med(plain_loads), 4)},
+        {
+            "metric": "verified_load_over_plain_load",
+            "value": round(med(verified) / med(plain_loads), 3),
+        },
+        {"metric": "verify_only_s", "value": round(med(verify_only), 4)},
+        {"metric": "verify_gb_per_s", "value": round(size / med(verify_only) / 1e9, 3)},
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -96,6 +172,9 @@ def main() -> None:
         "--interval", type=int, default=5, help="steps between saves (long enough for a write)"
     )
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument(
+        "--only", choices=["checksums"], default=None, help="run only the checksum comparison"
+    )
     args = parser.parse_args()
     model, _ = build(args.mb)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -107,6 +186,11 @@ def main() -> None:
         "saves": args.saves,
         "interval": args.interval,
     }
+    with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+        for row in checksum_cost(folder, args.mb, args.saves):
+            print(json.dumps({**common, **row}), flush=True)
+    if args.only == "checksums":
+        return
     with (
         tempfile.TemporaryDirectory(dir=args.dir) as sync_dir,
         tempfile.TemporaryDirectory(dir=args.dir) as async_dir,

@@ -30,8 +30,8 @@ class WeightsOnly:
         CALLS.append(("load", step))
         return step
 
-    def save(self, step: int, *, last_step: bool = False) -> None:
-        if step % self.every and not last_step:
+    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> None:
+        if step % self.every and not (last_step or force):
             return
         os.makedirs(self.folder, exist_ok=True)
         save_file(

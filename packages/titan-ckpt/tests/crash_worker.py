@@ -48,7 +48,7 @@ def main(folder: str, mode: str) -> None:
         try:
             train(run, 1, manager)
         except Exception as e:  # noqa: BLE001 - reported to the test
-            print(f"FAILED {type(e).__name__}", flush=True)
+            print(f"FAILED {type(e).__name__}: {e}", flush=True)
             return
         print("SAVED 4", flush=True)
         return

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from ckpt_toy import assert_same, build_run, full_model, full_optimizer, train
 
-from titan_ckpt import Checkpoint, CheckpointManager
+from titan_ckpt import Checkpoint, CheckpointManager, CheckpointSaveError
 from titan_ckpt.layout import read_commit
 
 N = 3
@@ -128,6 +128,44 @@ def case_seed_checkpoint_loads_in_fsdp2(work: Path) -> None:
     manager.close()
     seed_weights = torch.load(work / "seed_weights.pt", weights_only=True)
     assert_same(seed_weights, full_model(run.model), "seed checkpoint weights under FSDP 2")
+
+
+def case_corrupt_file_checked_by_rank_1_makes_every_rank_fall_back(work: Path) -> None:
+    """The ranks share the checksum work: rank 1 checks `__1_0.distcp`, rank 0 learns the
+    verdict from it, and both load step 2 instead of the corrupt step 4."""
+    folder = work / "corrupt-fsdp2"
+    run = build_run("fsdp")
+    manager = CheckpointManager(Checkpoint(enable=True, interval=2), run.states(), folder)
+    train(run, 2, manager)
+    at_2 = full_model(run.model)
+    train(run, 2, manager)
+    manager.close()
+    if dist.get_rank() == 0:
+        data = folder / "step-4" / "__1_0.distcp"
+        data.write_bytes(b"\0" * data.stat().st_size)
+    dist.barrier()
+    fresh = build_run("fsdp", seed=5)
+    assert CheckpointManager(Checkpoint(enable=True), fresh.states(), folder).load() == 2
+    assert_same(at_2, full_model(fresh.model), "model after every rank fell back to step 2")
+
+
+def case_nan_in_one_ranks_shard_refuses_the_save_on_every_rank(work: Path) -> None:
+    run = build_run("fsdp")
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=2), run.states(), work / "nan-fsdp2"
+    )
+    train(run, 2, manager)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            run.model.out.weight.to_local()[0, 0] = float("nan")
+    try:
+        manager.save(4)
+    except CheckpointSaveError as e:
+        assert str(e).startswith("checkpoint step 4 not saved: model.out.weight hold NaN"), e
+    else:
+        raise AssertionError("the save with a NaN on rank 1 went through")
+    manager.close()
+    assert not (work / "nan-fsdp2" / "step-4").exists()
 
 
 def main(rank: int, world: int, init_file: str, work: str, cases: list[str]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,13 +106,33 @@ def test_a_third_party_checkpointer_is_resolved_by_module_attr_and_used_the_same
     )
 
 
-def test_readme_example_runs(tmp_path):
+def test_readme_example_runs_twice_in_the_same_folder_and_its_commands_work(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     assert blocks, "README has no python example"
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        exec(compile(blocks[0], str(README), "exec"), {"__name__": "readme"})
-    finally:
-        os.chdir(cwd)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for run in ("first", "second"):  # the second run finds the first one's checkpoints
+        done = subprocess.run(
+            [sys.executable, "-"],
+            input=blocks[0],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, f"{run} run:\n{done.stdout}\n{done.stderr}"
     assert (tmp_path / "outputs" / "checkpoint" / "step-20").is_dir()
+    # The command lines the README shows that run as they are on the example's output.
+    commands = [
+        line
+        for line in re.findall(r"```\n(titan-ckpt .*?)```", README.read_text(), re.S)[
+            0
+        ].splitlines()
+        if line.split()[1] in ("list", "verify")
+    ]
+    assert len(commands) == 2
+    for command in commands:
+        done = subprocess.run(
+            command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, f"{command}:\n{done.stdout}\n{done.stderr}"
+        assert "step-20" in done.stdout or "step       20" in done.stdout, done.stdout

@@ -24,6 +24,8 @@ WORLD_2 = [
     "exact_resume_fsdp_async_process",
     "reshard_1_to_fsdp2",
     "seed_checkpoint_loads_in_fsdp2",
+    "corrupt_file_checked_by_rank_1_makes_every_rank_fall_back",
+    "nan_in_one_ranks_shard_refuses_the_save_on_every_rank",
 ]
 WORLD_4 = [
     "exact_resume_hsdp",
@@ -136,3 +138,11 @@ def test_reshard_fsdp2_tp2_back_to_one_process(results):
 
 def test_seed_checkpoint_written_by_one_process_loads_under_fsdp2(results):
     _check(results, "seed_checkpoint_loads_in_fsdp2")
+
+
+def test_a_corrupt_file_found_by_one_rank_makes_every_rank_fall_back(results):
+    _check(results, "corrupt_file_checked_by_rank_1_makes_every_rank_fall_back")
+
+
+def test_nan_in_one_ranks_shard_refuses_the_save_on_every_rank(results):
+    _check(results, "nan_in_one_ranks_shard_refuses_the_save_on_every_rank")

@@ -137,3 +137,24 @@ def test_last_save_in_hf_writes_safetensors_inside_the_final_checkpoint(tmp_path
     manager.close()
     back = import_hf(tmp_path / "step-2" / "hf", ToyAdapter(ToyArgs()), progress=False)
     assert_same({k: v.half() for k, v in full_model(run.model).items()}, back, "last save in HF")
+
+
+def test_dcp_to_hf_writes_the_vocab_size_of_the_saved_tensors_not_the_flavors(tmp_path):
+    # A trainer pads the tokenizer's vocabulary: the flavor says 64 rows, the tensors have 96.
+    torch.manual_seed(0)
+    model = ToyModel(vocab=96)
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=1),
+        {"model": model},
+        tmp_path / "ckpt",
+        config_toml='[model]\nname = "ckpt_toy_hf:TOY_SPEC"\nflavor = "tiny"\n',
+    )
+    manager.save(1)
+    manager.close()
+    assert (
+        main(["convert", "dcp-to-hf", str(tmp_path / "ckpt" / "step-1"), str(tmp_path / "hf")]) == 0
+    )
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["vocab_size"] == 96
+    back = import_hf(tmp_path / "hf", ToyAdapter(ToyArgs(vocab_size=96)), progress=False)
+    assert_same(full_model(model), back, "padded vocabulary round trip")

@@ -93,7 +93,7 @@ def test_incomplete_leftovers_are_ignored_then_cleaned_up(tmp_path, caplog):
     assert "step-2" in caplog.text
     train(fresh, 2, manager)
     manager.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".titan.lock", "step-2", "step-4"]
 
 
 def test_keep_latest_k_prunes_old_checkpoints_but_not_the_loaded_one(tmp_path):

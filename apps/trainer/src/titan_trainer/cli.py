@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         return 2
-    from titan_core import get_logger
+    from titan_core import RunFolderError, get_logger
+    from titan_trainer.guards import NonFiniteStepError, StartupError
 
     for note in notes:
         get_logger("checks").info(note)
@@ -89,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found once the layout is known, before any memory is used
         print(e, file=sys.stderr)
         return 2
+    except (StartupError, RunFolderError, NonFiniteStepError) as e:
+        # Problems with the run's data, folders or numbers: the message says what to do.
+        first, *rest = str(e).split("\n")
+        print(
+            "\n".join(["titan: error: " + first, *("       " + line for line in rest)]),
+            file=sys.stderr,
+        )
+        return 1
     return 130 if result.stopped_early and not result.steps_run else 0
 
 

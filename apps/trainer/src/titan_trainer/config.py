@@ -104,6 +104,10 @@ class Training:
     """Local copy of the dataset (for `c4` and other hub datasets)."""
     data_plugin: str = "titan"
     """Package that builds tokenizers and loaders: an entry point in `titan.data` or `module:attr`."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A row that is not a text document (malformed JSON, invalid UTF-8, a missing or non-string
+    text field): `error` stops before training, naming file and line (every row of local files is
+    checked at start-up); `skip` skips it and counts it (`skipped rows` in the metrics line)."""
     local_batch_size: int = 8
     """Samples per data-parallel rank per microbatch."""
     global_batch_size: int = -1

@@ -42,6 +42,8 @@ def format_line(step: int, m: dict[str, float]) -> str:
     ]
     if "data_pct" in m:
         parts.append(f"data {m['data_pct']:.0f}%")
+    if m.get("skipped_rows"):
+        parts.append(f"skipped rows {m['skipped_rows']:,.0f}")
     return " | ".join(parts)
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -167,14 +168,23 @@ class ParallelRuntime:
         return stack
 
     def clip_grad_norm(self, parts: list[nn.Module], max_norm: float) -> torch.Tensor:
-        """The global gradient norm before clipping (a tensor: reading it syncs the host)."""
+        """The global gradient norm before clipping, left on the device (no read-back)."""
         params = [p for part in parts for p in part.parameters()]
         return tp_lib.clip_grad_norm_(
             params, max_norm if max_norm > 0 else float("inf"), pp_mesh=self.dims.mesh("pp")
         )
 
-    def reduce_loss(self, loss: torch.Tensor) -> float:
-        return tp_lib.dist_mean(loss, self.dims.mesh("dp_cp"))
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of `loss` over the data-parallel and context-parallel ranks, as a tensor on
+        the device: an all-reduce, but no read-back to the host."""
+        loss = loss.detach().float()
+        mesh = self.dims.mesh("dp_cp")
+        if mesh is None:
+            return loss
+        if mesh.device_type != "cpu" and loss.device.type == "cpu":
+            loss = loss.to(mesh.device_type)
+        # Sum then divide: gloo has no average reduction.
+        return funcol.all_reduce(loss, reduceOp="sum", group=mesh) / mesh.size()
 
 
 def _cp_buffers(part: nn.Module) -> dict[str, int]:

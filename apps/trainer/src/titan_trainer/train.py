@@ -8,7 +8,6 @@ through titan-core's plugin registry; this file only composes them.
 from __future__ import annotations
 
 import gc
-import math
 import os
 import signal
 import time
@@ -37,6 +36,12 @@ from titan_core import (
 from titan_core.distributed import destroy_distributed
 from titan_trainer.checks import model_args_for, state_memory_problem
 from titan_trainer.config import JobConfig
+from titan_trainer.guards import (
+    StepGuard,
+    build_checked_loader,
+    claim_run_folders,
+    skipped_rows_total,
+)
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.optimizer import build_optimizer
@@ -56,7 +61,8 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     losses: list[float] = field(default_factory=list)
-    """Logged loss per step in this process's lifetime (not checkpointed; for tests and summaries)."""
+    """Loss per step in this process's lifetime, read back at logging steps (not checkpointed;
+    for tests and summaries)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen}
@@ -140,7 +146,13 @@ def train(config: JobConfig) -> TrainResult:
     device_type = resolve_device_type(config.job.device)
     info = init_distributed(device_type, config.comm.init_timeout_seconds)
     try:
-        return _train(config, info)
+        # Before anything is written: one run per dump folder, and folders that take writes.
+        lock = claim_run_folders(config, info.rank)
+        try:
+            return _train(config, info)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
         destroy_distributed()
 
@@ -182,7 +194,8 @@ def _train(config: JobConfig, info) -> TrainResult:
     data = resolve(plugins.DATA, config.training.data_plugin)
     tokenizer = data.build_tokenizer(config.model.hf_assets_path or config.model.tokenizer_path)
     dp_rank, dp_world = _dp_coordinates(dims)
-    loader = data.build_dataloader(
+    loader = build_checked_loader(
+        data,
         dataset=config.training.dataset,
         dataset_path=config.training.dataset_path,
         tokenizer=tokenizer,
@@ -190,6 +203,7 @@ def _train(config: JobConfig, info) -> TrainResult:
         batch_size=config.training.local_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_world,
+        bad_rows=config.training.bad_rows,
     )
 
     converters = [
@@ -249,10 +263,19 @@ def _train(config: JobConfig, info) -> TrainResult:
     start_step = state.step
     stopped_early = False
     validator = (
-        Validator(config.validation, data, tokenizer, dp_rank, dp_world, config.training.seq_len)
+        Validator(
+            config.validation,
+            data,
+            tokenizer,
+            dp_rank,
+            dp_world,
+            config.training.seq_len,
+            config.training.bad_rows,
+        )
         if config.validation.enable
         else None
     )
+    guard = StepGuard(optimizer)
     gc.disable()
     try:
         with (
@@ -263,7 +286,15 @@ def _train(config: JobConfig, info) -> TrainResult:
             while state.step < config.training.steps:
                 state.step += 1
                 loss, grad_norm = train_step(
-                    runtime, model_parts, optimizer, batches, accum, timer, config
+                    runtime,
+                    model_parts,
+                    optimizer,
+                    batches,
+                    accum,
+                    timer,
+                    config,
+                    guard,
+                    state.step,
                 )
                 lr_scheduler.step()
                 for converter in converters:
@@ -272,26 +303,21 @@ def _train(config: JobConfig, info) -> TrainResult:
                 state.tokens_seen += tokens_per_step_per_dp * dims.dp_degree
                 timer.tokens += tokens_per_step_per_dp
                 timer.steps += 1
-                state.losses.append(loss)
                 last = state.step == config.training.steps
                 if (
                     state.step % config.metrics.log_freq == 0
                     or state.step == start_step + 1
                     or last
                 ):
-                    metrics.log(
-                        state.step,
-                        _window_metrics(
-                            timer,
-                            loss,
-                            grad_norm,
-                            optimizer,
-                            dims,
-                            flops_per_token,
-                            peak.flops,
-                            memory,
-                        ),
+                    # The one read-back of the step's values; raises if a step was not finite.
+                    rows = guard.read()
+                    state.losses.extend(row[1] for row in rows)
+                    _, loss, grad_norm = rows[-1]
+                    window = _window_metrics(
+                        timer, loss, grad_norm, optimizer, dims, flops_per_token, peak.flops, memory
                     )
+                    window["skipped_rows"] = skipped_rows_total(loader, dims.mesh("dp"), device)
+                    metrics.log(state.step, window)
                     timer.reset()
                 if validator is not None and (validator.due(state.step) or last):
                     val_loss = validator.run(runtime, model_parts)
@@ -300,11 +326,25 @@ def _train(config: JobConfig, info) -> TrainResult:
                     timer.reset()
                 if profile_step is not None:
                     profile_step()
+                saving = checkpointer is not None and config.checkpoint.enable
                 if stop.requested:
-                    log.warning("SIGTERM: saving a checkpoint at step %d and stopping", state.step)
+                    state.losses.extend(row[1] for row in guard.read())
+                    if saving:
+                        log.warning(
+                            "SIGTERM: saving a full checkpoint at step %d and stopping", state.step
+                        )
+                    else:
+                        log.warning(
+                            "SIGTERM: stopping at step %d without a checkpoint "
+                            "(checkpoint.enable is false)",
+                            state.step,
+                        )
                     stopped_early = True
-                if checkpointer is not None and config.checkpoint.enable:
-                    checkpointer.save(state.step, last_step=last or stopped_early)
+                if saving:
+                    # A preemption save is a full, resumable one, never the last step's export;
+                    # `force` goes only to a save that needs it (older checkpointers lack it).
+                    forced = {"force": True} if stopped_early and not last else {}
+                    checkpointer.save(state.step, last_step=last, **forced)
                 if stopped_early:
                     break
                 if state.step % config.training.gc_freq == 0:
@@ -331,9 +371,12 @@ def train_step(
     accum: int,
     timer: StepTimer,
     config,
-) -> tuple[float, float]:
-    """Forward/backward over `accum` microbatches, clip, step. Returns (loss, grad_norm), both
-    reduced over every rank so that all ranks log the same numbers."""
+    guard: StepGuard,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over `accum` microbatches, clip, check, step. Returns (loss, grad_norm)
+    as device tensors, both reduced over every rank so that all ranks log the same numbers;
+    nothing is read back to the host here (see StepGuard)."""
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=runtime.device)
     for _ in range(accum):
@@ -343,13 +386,10 @@ def train_step(
         inputs = inputs.to(runtime.device, non_blocking=True)
         labels = labels.to(runtime.device, non_blocking=True)
         total += runtime.forward_backward(model_parts, inputs, labels, scale=1.0 / accum)
-    grad_norm = float(runtime.clip_grad_norm(model_parts, config.training.max_norm))
-    optimizer.step()
+    grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
     loss = runtime.reduce_loss(total)
-    if not math.isfinite(loss):
-        raise FloatingPointError(
-            f"loss is {loss} at this step; lower optimizer.lr or check the data"
-        )
+    guard.before_step(step, loss, grad_norm)  # a NaN or inf step is skipped, never applied
+    optimizer.step()
     return loss, grad_norm
 
 

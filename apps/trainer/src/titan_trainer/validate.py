@@ -15,7 +15,16 @@ class Validator:
     same batches every time, so the numbers are comparable across the run). By default that
     is `pydocs_validation`, the part of the embedded corpus that `pydocs` training never reads."""
 
-    def __init__(self, cfg, data, tokenizer, dp_rank: int, dp_world: int, train_seq_len: int):
+    def __init__(
+        self,
+        cfg,
+        data,
+        tokenizer,
+        dp_rank: int,
+        dp_world: int,
+        train_seq_len: int,
+        bad_rows: str = "error",
+    ):
         self.cfg = cfg
         self.build = lambda: data.build_dataloader(
             dataset=cfg.dataset,
@@ -26,6 +35,7 @@ class Validator:
             dp_rank=dp_rank,
             dp_world_size=dp_world,
             infinite=False,
+            bad_rows=bad_rows,
         )
 
     def due(self, step: int) -> bool:
@@ -59,4 +69,4 @@ class Validator:
             raise RuntimeError(
                 f"validation dataset {self.cfg.dataset!r} produced no batch; use a larger dataset or a smaller seq_len"
             )
-        return runtime.reduce_loss((total / count).float())
+        return float(runtime.reduce_loss((total / count).float()))

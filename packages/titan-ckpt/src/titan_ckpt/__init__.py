@@ -4,24 +4,36 @@ async saves, resharding on load, seed checkpoints and Hugging Face safetensors i
 import importlib.metadata
 
 from titan_ckpt.config import Checkpoint
-from titan_ckpt.dcp_io import dcp_to_torch_file, load_consolidated, save_model_checkpoint
+from titan_ckpt.dcp_io import (
+    checkpoint_problems,
+    dcp_to_torch_file,
+    load_consolidated,
+    nonfinite_tensors,
+    save_model_checkpoint,
+)
+from titan_ckpt.errors import CheckpointLoadError, CheckpointSaveError
 from titan_ckpt.hf import export_hf, import_hf, read_safetensors
 from titan_ckpt.layout import list_checkpoints
-from titan_ckpt.manager import CheckpointManager, CheckpointSaveError
+from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
+from titan_ckpt.safe_read import UnsafeCheckpointError
 
 __version__ = importlib.metadata.version("titan-ckpt")  # the pyproject's version, one source
 
 __all__ = [
     "Checkpoint",
+    "CheckpointLoadError",
     "CheckpointManager",
     "CheckpointSaveError",
+    "UnsafeCheckpointError",
     "build_checkpointer",
+    "checkpoint_problems",
     "dcp_to_torch_file",
     "export_hf",
     "import_hf",
     "list_checkpoints",
     "load_consolidated",
+    "nonfinite_tensors",
     "read_safetensors",
     "save_model_checkpoint",
 ]

@@ -1,7 +1,8 @@
-"""`titan-ckpt`: inspect checkpoint folders and convert between DCP, Hugging Face safetensors and
-single torch files.
+"""`titan-ckpt`: inspect and verify checkpoint folders, and convert between DCP, Hugging Face
+safetensors and single torch files.
 
     titan-ckpt list OUTPUTS/checkpoint
+    titan-ckpt verify OUTPUTS/checkpoint [--values]
     titan-ckpt convert dcp-to-hf   OUTPUTS/checkpoint/step-1000 hf_out --model llama3 --flavor 8B
     titan-ckpt convert hf-to-dcp   hf_in  step-0 --model llama3 --flavor 8B
     titan-ckpt convert dcp-to-torch OUTPUTS/checkpoint/step-1000 model.pt --model-only
@@ -14,15 +15,25 @@ import ast
 import dataclasses
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from titan_ckpt import layout
-from titan_ckpt.dcp_io import dcp_to_torch_file, load_consolidated, save_model_checkpoint
+from titan_ckpt.dcp_io import (
+    checkpoint_keys,
+    checkpoint_problems,
+    dcp_to_torch_file,
+    load_consolidated,
+    nonfinite_tensors,
+    save_model_checkpoint,
+)
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_core.plugins import MODELS, PluginError, resolve
-from titan_core.protocols import HFAdapter
+from titan_core.protocols import HFAdapter, ModelSpec
 
 
 class CliError(Exception):
@@ -32,6 +43,11 @@ class CliError(Exception):
 def build_adapter(model: str, flavor: str | None, overrides: Sequence[str] = ()) -> HFAdapter:
     """The HF adapter of a registered model family (name or `module:attr`) for one flavor, with
     `key=value` overrides of the flavor's arguments (e.g. `vocab_size=128256`)."""
+    spec, args = _flavor_args(model, flavor, overrides)
+    return spec.hf_adapter(args)
+
+
+def _flavor_args(model: str, flavor: str | None, overrides: Sequence[str]) -> tuple[ModelSpec, Any]:
     try:
         spec = resolve(MODELS, model)
     except PluginError as e:
@@ -48,7 +64,43 @@ def build_adapter(model: str, flavor: str | None, overrides: Sequence[str] = ())
     args = flavors[flavor]
     if overrides:
         args = dataclasses.replace(args, **dict(_parse_override(o) for o in overrides))
-    return spec.hf_adapter(args)
+    return spec, args
+
+
+def _checkpoint_args(spec: ModelSpec, args: Any, ckpt: Path, given: set[str]) -> Any:
+    """The flavor's arguments as the checkpoint's model was built: the vocabulary size of its
+    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's) and the
+    sequence length of its saved config, unless given with --set."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    changes: dict[str, Any] = {}
+    seq_len = _saved_config(ckpt).get("training", {}).get("seq_len")
+    if "max_seq_len" in fields and "max_seq_len" not in given and isinstance(seq_len, int):
+        changes["max_seq_len"] = seq_len
+    if "vocab_size" in fields and "vocab_size" not in given:
+        vocab = _vocab_of_tensors(spec, args, checkpoint_keys(ckpt))
+        if vocab is not None:
+            changes["vocab_size"] = vocab
+    return dataclasses.replace(args, **changes) if changes else args
+
+
+def _vocab_of_tensors(spec: ModelSpec, args: Any, keys: Mapping[str, Any]) -> int | None:
+    """The vocabulary size the saved tensors have: build the flavor on the meta device and
+    find the dimensions that are the flavor's vocab_size there and differ in the checkpoint."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in spec.build(args).state_dict().items()}
+    found = set()
+    for name, shape in shapes.items():
+        meta = keys.get(f"model.{name}")
+        saved = tuple(meta.size) if meta is not None and hasattr(meta, "size") else None
+        if saved is None or len(saved) != len(shape):
+            continue
+        found |= {s for f, s in zip(shape, saved) if f == args.vocab_size and s != f}
+    if len(found) > 1:
+        raise CliError(
+            f"the checkpoint's tensors disagree on the vocabulary size ({sorted(found)}); "
+            "pass --set vocab_size=N"
+        )
+    return found.pop() if found else None
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
@@ -61,12 +113,15 @@ def _parse_override(text: str) -> tuple[str, Any]:
         return key.strip(), value.strip()
 
 
+def _saved_config(ckpt: Path) -> dict[str, Any]:
+    """The resolved config saved in the checkpoint ({} if it has none)."""
+    path = ckpt / layout.CONFIG_FILE
+    return tomllib.loads(path.read_text()) if path.is_file() else {}
+
+
 def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
     """[model] name and flavor from the resolved config saved in the checkpoint, if any."""
-    path = ckpt / layout.CONFIG_FILE
-    if not path.is_file():
-        return None, None
-    model = tomllib.loads(path.read_text()).get("model", {})
+    model = _saved_config(ckpt).get("model", {})
     return model.get("name"), model.get("flavor")
 
 
@@ -79,7 +134,9 @@ def _dcp_to_hf(a: argparse.Namespace) -> None:
         raise CliError(
             f"{ckpt} has no config.toml naming the model; pass --model NAME --flavor FLAVOR"
         )
-    adapter = build_adapter(name, a.flavor or saved_flavor, a.set)
+    spec, args = _flavor_args(name, a.flavor or saved_flavor, a.set)
+    given = {_parse_override(o)[0] for o in a.set}
+    adapter = spec.hf_adapter(_checkpoint_args(spec, args, ckpt, given))
     state = load_consolidated(ckpt, "model.")
     files = export_hf(
         state, adapter, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30)
@@ -106,20 +163,63 @@ def _dcp_to_torch(a: argparse.Namespace) -> None:
 
 
 def _list(a: argparse.Namespace) -> None:
-    found = layout.list_checkpoints(a.folder)
+    found = layout.committed(a.folder)
     if not found:
         print(f"no complete checkpoints in {a.folder}")
     for step, path in found:
-        record = layout.read_commit(path)
+        try:
+            record = layout.read_commit(path)
+        except (OSError, ValueError) as e:
+            print(f"step {step:>8}  {'unreadable':<10}  {'':>10}  {path}: {e}")
+            continue
         kind = "model only" if record.get("model_only") else "full"
         print(f"step {step:>8}  {kind:<10}  world {record.get('world_size', '?'):>4}  {path}")
 
 
+def _verify(a: argparse.Namespace) -> int:
+    """Check checkpoints offline, as a resume does: exit 1 if any fails."""
+    target = Path(a.path)
+    paths = (
+        [target]
+        if (target / layout.COMMIT_FILE).exists()
+        else [p for _, p in layout.committed(target)]
+    )
+    if not paths:
+        raise CliError(f"{target} is neither a checkpoint nor a folder of checkpoints")
+    failed = 0
+    for path in paths:
+        problems = checkpoint_problems(path)
+        if not problems and a.values:
+            problems = [
+                f"{name} holds NaN or inf" for name in nonfinite_tensors(path, progress=False)
+            ]
+        if problems:
+            failed += 1
+            print(f"{path}: FAILED: " + "; ".join(problems))
+            continue
+        files = layout.read_commit(path).get("files")
+        if files is None:
+            print(
+                f"{path}: not verified: it records no checksums (saved by titan-ckpt 0.1.0 or another tool)"
+            )
+            continue
+        size = sum(int(entry["bytes"]) for entry in files.values())
+        checked = " and values finite" if a.values else ""
+        print(f"{path}: OK ({len(files)} files, {size / 2**20:,.1f} MiB, checksums{checked})")
+    if failed:
+        print(f"{failed} of {len(paths)} checkpoints failed verification", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _require_checkpoint(path: Path) -> None:
+    """A complete checkpoint whose files pass their checksums (see `verify`)."""
     if not layout.is_complete(path):
         raise CliError(
             f"{path} is not a complete checkpoint folder (no {layout.COMMIT_FILE} or .metadata)"
         )
+    problems = checkpoint_problems(path)
+    if problems:
+        raise CliError(f"{path} failed verification: " + "; ".join(problems))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list the complete checkpoints in a folder")
     ls.add_argument("folder")
     ls.set_defaults(func=_list)
+    verify = sub.add_parser(
+        "verify",
+        help="check checkpoints against the checksums in their commit markers, as a resume does",
+    )
+    verify.add_argument("path", help="a checkpoint (step-N) or a folder of checkpoints")
+    verify.add_argument(
+        "--values",
+        action="store_true",
+        help="also read every model and optimizer tensor and check that none holds NaN or inf",
+    )
+    verify.set_defaults(func=_verify)
     convert = sub.add_parser("convert", help="convert between formats").add_subparsers(
         dest="kind", required=True
     )
@@ -187,11 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
-    except (CliError, FileNotFoundError, ValueError) as e:
+        code = args.func(args)
+    except (CliError, FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
         print(f"titan-ckpt: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

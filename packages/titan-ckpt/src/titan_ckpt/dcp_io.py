@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from tqdm import tqdm
 
 from titan_ckpt import layout
+from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries, verify_files
+from titan_ckpt.safe_read import SafeFileSystemReader, load_plain, read_metadata_file
 
 # DCP warns on every single-process save/load that it assumes one process; here that is the intent.
 warnings.filterwarnings(
@@ -29,7 +32,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     `weights_only=True`: a checkpoint can hold plain Python values and tensors, never code."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)
+        obj = load_plain(value, f"checkpoint entry {read_item.dest_index.fqn}")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
 
@@ -39,8 +42,39 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def checkpoint_keys(path: str | Path) -> dict[str, Any]:
-    """The flattened keys a DCP folder holds, with their storage metadata."""
-    return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    """The flattened keys a DCP folder holds, with their storage metadata (read without
+    running code, see safe_read.py)."""
+    return dict(read_metadata_file(Path(path) / ".metadata").state_dict_metadata)
+
+
+def checkpoint_problems(path: str | Path, rank: int = 0, world: int = 1) -> list[str]:
+    """Why the checkpoint folder `path` cannot be trusted, or an empty list: a commit marker
+    that cannot be read, no `.metadata`, a file whose size or checksum differs from what the
+    marker recorded (cut short, overwritten, replaced), or metadata that asks to run code.
+
+    Reads every byte once. With `rank` and `world`, this process checks only its share of the
+    data files (`.metadata` and the marker are checked by all); merge the ranks' lists."""
+    path = Path(path)
+    try:
+        record = layout.read_commit(path)
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        return [f"its commit marker {layout.COMMIT_FILE} cannot be read ({reason})"]
+    if not (path / ".metadata").is_file():
+        return ["it has no .metadata (DCP's index of the saved tensors)"]
+    files = record.get("files") or {}
+    try:
+        problems = verify_files(path, {k: v for k, v in files.items() if k == ".metadata"})
+        data = {name: entry for name, entry in files.items() if name != ".metadata"}
+        problems += verify_files(path, data, rank, world)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # every rank must answer
+        return [f"its commit marker lists checksums in a form this version cannot read ({e!r})"]
+    if not problems:
+        try:
+            read_metadata_file(path / ".metadata")
+        except Exception as e:  # noqa: BLE001 - any failure to read it is the problem
+            problems.append(str(e) if str(e) else type(e).__name__)
+    return problems
 
 
 def load_consolidated(
@@ -48,15 +82,40 @@ def load_consolidated(
 ) -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` of a DCP folder as one unsharded CPU state dict (prefix
     removed), read in one process whatever layout wrote it."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in _chunks(path, prefix, progress=progress, chunk_bytes=chunk_bytes):
+        out.update({k[len(prefix) :]: v for k, v in chunk.items()})
+    return out
+
+
+def nonfinite_tensors(
+    path: str | Path, prefixes: tuple[str, ...] = ("model.", "optimizer."), *, progress: bool = True
+) -> list[str]:
+    """Names of the saved floating tensors under `prefixes` that hold NaN or inf, read a chunk
+    at a time in one process (for checkpoints written by tools that do not check this)."""
+    keys = checkpoint_keys(path)
+    bad: list[str] = []
+    for prefix in prefixes:
+        if any(
+            k.startswith(prefix) and isinstance(v, TensorStorageMetadata) for k, v in keys.items()
+        ):
+            for chunk in _chunks(path, prefix, progress=progress, chunk_bytes=1 << 28):
+                bad += nonfinite_entries(chunk)
+    return bad
+
+
+def _chunks(
+    path: str | Path, prefix: str, *, progress: bool, chunk_bytes: int
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The unsharded tensors under `prefix`, about `chunk_bytes` at a time."""
     meta = {k: v for k, v in checkpoint_keys(path).items() if k.startswith(prefix)}
     tensors = {k: v for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
     if not tensors:
         raise ValueError(
             f"{path} holds no tensors under {prefix!r}; keys start with: {_heads(path)}"
         )
-    out: dict[str, torch.Tensor] = {}
     total = sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors.values())
-    reader = dcp.FileSystemReader(str(path))
+    reader = SafeFileSystemReader(str(path))
     with tqdm(
         total=total, unit="B", unit_scale=True, desc=f"read {Path(path).name}", disable=not progress
     ) as bar:
@@ -67,10 +126,9 @@ def load_consolidated(
             size += chunk[key].nbytes
             if size >= chunk_bytes or i == len(tensors) - 1:
                 dcp.load(chunk, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-                out.update({k[len(prefix) :]: v for k, v in chunk.items()})
                 bar.update(size)
+                yield chunk
                 chunk, size = {}, 0
-    return out
 
 
 def _heads(path: str | Path) -> str:
@@ -84,7 +142,7 @@ def save_model_checkpoint(
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     final.parent.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": state_dict}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    dcp.save({"model": state_dict}, storage_writer=ChecksummingWriter(str(tmp)), no_dist=True)
     record = {
         "step": step,
         "states": ["model"],
@@ -132,8 +190,8 @@ def dcp_to_torch_file(
         tqdm.write(f"wrote {out_file} in {time.perf_counter() - start:.1f}s")
 
 
-def _decode(blob: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+def _decode(blob: torch.Tensor, what: str = "a serialised state") -> Any:
+    return load_plain(blob.numpy().tobytes(), what)
 
 
 def _load_values(path: str | Path, prefix: str, keys: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +205,7 @@ def _load_values(path: str | Path, prefix: str, keys: dict[str, Any]) -> dict[st
         return {}
     dcp.load(
         wanted,
-        storage_reader=dcp.FileSystemReader(str(path)),
+        storage_reader=SafeFileSystemReader(str(path)),
         planner=SafeLoadPlanner(),
         no_dist=True,
     )

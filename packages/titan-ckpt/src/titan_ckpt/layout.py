@@ -5,6 +5,9 @@ add `config.toml` and the commit marker, flush them, and rename the folder to `s
 folder is a checkpoint only if its name is `step-<N>` and it holds the marker, so a crash, a kill
 or a full disk at any moment leaves the previous checkpoint the newest complete one. Leftovers
 (`*.tmp`, `*.old`) are ignored and removed after the next successful save.
+
+The marker records the size and checksum of every file of the checkpoint (see integrity.py), so
+a file that was cut short, overwritten or replaced after the commit is found before loading.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+
+from titan_ckpt.integrity import collect_checksums, file_entry
 
 COMMIT_FILE = "titan_commit.json"
 CONFIG_FILE = "config.toml"
@@ -33,25 +38,46 @@ def tmp_dir(folder: str | Path, step: int) -> Path:
 
 def is_complete(path: str | Path) -> bool:
     path = Path(path)
-    return (path / COMMIT_FILE).is_file() and (path / ".metadata").is_file()
+    try:
+        return (path / COMMIT_FILE).is_file() and (path / ".metadata").is_file()
+    except OSError:  # a folder this process may not look into
+        return False
 
 
 def read_commit(path: str | Path) -> dict[str, Any]:
-    """The marker's record: step, states saved, world and data-parallel sizes, time."""
-    return json.loads((Path(path) / COMMIT_FILE).read_text())
+    """The marker's record: step, states saved, world and data-parallel sizes, file checksums,
+    time. Raises OSError when it cannot be read and ValueError when it is not a marker."""
+    record = json.loads((Path(path) / COMMIT_FILE).read_text())
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        raise ValueError(f"{COMMIT_FILE} holds no step number; it is not a titan commit marker")
+    return record
 
 
-def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in `folder`, oldest first."""
+def committed(folder: str | Path) -> list[tuple[int, Path]]:
+    """`step-<N>` folders holding a commit marker, oldest first, whether or not the marker
+    can be read and the rest of the checkpoint is there (the load reports what is wrong)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     found = []
     for entry in folder.iterdir():
         match = _STEP.match(entry.name)
-        if match and entry.is_dir() and is_complete(entry):
+        if match and entry.is_dir() and _has_marker(entry):
             found.append((int(match.group(1)), entry))
     return sorted(found)
+
+
+def _has_marker(path: Path) -> bool:
+    try:
+        return (path / COMMIT_FILE).exists()
+    except OSError:  # cannot even look: report it when loading rather than skip it silently
+        return True
+
+
+def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in `folder` (commit marker and `.metadata`), oldest first. Their
+    checksums are checked when they are loaded, or by `titan-ckpt verify`."""
+    return [(step, path) for step, path in committed(folder) if is_complete(path)]
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -70,10 +96,14 @@ def _sync_dir(path: Path) -> None:
 
 
 def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = "") -> None:
-    """Make a fully written `tmp` folder the checkpoint `final` (call on one process only)."""
+    """Make a fully written `tmp` folder the checkpoint `final` (call on one process only): the
+    marker records `record` and the size and checksum of every file."""
+    files = collect_checksums(tmp)
     if config_toml:
         _write_synced(tmp / CONFIG_FILE, config_toml)
-    _write_synced(tmp / COMMIT_FILE, json.dumps({**record, "committed_at": time.time()}, indent=1))
+        files[CONFIG_FILE] = file_entry(tmp / CONFIG_FILE)
+    marker = {**record, "files": files, "committed_at": time.time()}
+    _write_synced(tmp / COMMIT_FILE, json.dumps(marker, indent=1))
     _sync_dir(tmp)
     if final.exists():  # saving a step again (e.g. a seed checkpoint re-created): swap it out
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
@@ -85,12 +115,21 @@ def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = ""
     _sync_dir(final.parent)
 
 
-def prune(folder: str | Path, keep: int, protect: set[Path] = frozenset()) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` (0 keeps all), never one in `protect`."""
+def prune(
+    folder: str | Path, keep: int, protect: set[Path] = frozenset(), newest: int | None = None
+) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep` (0 keeps all), never one in `protect`.
+
+    With `newest` (the step just saved), only checkpoints up to that step count: a run resumed
+    from an older checkpoint (because a newer one failed its checks) never deletes what it
+    has just saved, and later steps are replaced when the run gets there."""
     if keep <= 0:
         return []
+    found = list_checkpoints(folder)
+    if newest is not None:
+        found = [(step, path) for step, path in found if step <= newest]
     removed = []
-    for _, path in list_checkpoints(folder)[:-keep]:
+    for _, path in found[:-keep]:
         if path.resolve() in {p.resolve() for p in protect}:
             continue
         shutil.rmtree(path, ignore_errors=True)
@@ -108,7 +147,9 @@ def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[
     for entry in folder.iterdir():
         if entry.name in skip_names:
             continue
-        incomplete_step = _STEP.match(entry.name) and not is_complete(entry)
+        # A `step-<N>` without a marker was never committed; a committed one with a file
+        # missing is kept (and reported when loaded), never deleted behind the user's back.
+        incomplete_step = _STEP.match(entry.name) and not _has_marker(entry)
         if _LEFTOVER.match(entry.name) or incomplete_step:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)

@@ -3,7 +3,9 @@
 One `step-<N>` folder per save holds the model and optimizer (sharded DTensors keep their global
 layout and reshard on load), the LR scheduler, each data-parallel rank's loader position, the
 train state, each rank's RNG states and the resolved config. See `layout.py` for how a save
-becomes visible only once complete.
+becomes visible only once complete, and `integrity.py` for what is checked before a save is
+written (no NaN or inf) and before one is loaded (every file's checksum, metadata that cannot
+run code). A checkpoint that fails its checks is reported by name and the previous one is used.
 """
 
 from __future__ import annotations
@@ -19,17 +21,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titan_ckpt import layout
 from titan_ckpt.config import Checkpoint
-from titan_ckpt.dcp_io import SafeLoadPlanner, checkpoint_keys
+from titan_ckpt.dcp_io import SafeLoadPlanner, checkpoint_keys, checkpoint_problems
+from titan_ckpt.errors import (
+    CheckpointLoadError,
+    CheckpointSaveError,
+    failure_reason,
+    first_line,
+)
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries
+from titan_ckpt.safe_read import SafeFileSystemReader
 from titan_ckpt.staging import build_stager
 from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, TextState
+from titan_core.distributed import any_rank
 from titan_core.log import get_logger
 from titan_core.protocols import HFAdapter
+from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 
 log = get_logger("ckpt")
 
@@ -54,7 +65,9 @@ class CheckpointManager:
     `dataloader.dp<rank>`. RNG states are added as `rng.rank<rank>`.
 
     Works in one plain process (no process group) and in any torch.distributed job; every rank
-    calls every method.
+    calls every method. A manager that saves (`enable` or `create_seed_checkpoint`) checks at
+    once that `folder` is writable and claims it for this run (`titan_core.FolderLock`); a
+    second run on the same folder is refused until `close()`.
     """
 
     def __init__(
@@ -88,6 +101,9 @@ class CheckpointManager:
         self._stager = None
         self._async_pg = None
         self._staging_hook = None
+        self._lock: FolderLock | None = None
+        if config.enable or config.create_seed_checkpoint:
+            self._claim_folder()
         if config.async_mode != "disabled":
             self._setup_async(states.get("optimizer"))
 
@@ -114,6 +130,35 @@ class CheckpointManager:
         wrapped["rng"] = BlobState(RNGState(), f"rank{self.rank}")
         return wrapped
 
+    def _claim_folder(self) -> None:
+        """Rank 0 checks that the folder can be written and locks it; every rank learns the
+        outcome, so that a refusal stops the whole job at start-up."""
+        error: RunFolderError | None = None
+        if self.rank == 0:
+            try:
+                check_writable(self.folder, purpose="checkpoint folder")
+                self._lock = FolderLock(
+                    self.folder,
+                    purpose="checkpoint folder",
+                    hint="wait for that run to end, or give this one its own [checkpoint] folder "
+                    "(or [job] dump_folder)",
+                )
+            except RunFolderError as e:
+                error = e
+            if self._lock is not None and self._lock.taken_over is not None:
+                log.warning(
+                    "took over %s from a run that is gone (%s)",
+                    self._lock.path,
+                    self._lock.taken_over.describe(),
+                )
+        failed = error is not None
+        if self._dist:
+            failed = any_rank(failed)
+        if failed:
+            raise error or RunFolderError(
+                f"rank 0 could not claim the checkpoint folder {self.folder} (see its log)"
+            )
+
     def _setup_async(self, optimizer: Any) -> None:
         if self.config.async_executor == "process" and not self._dist:
             raise ValueError(
@@ -137,26 +182,32 @@ class CheckpointManager:
             return step == 0
         return last_step or (step > 0 and step % self.config.interval == 0)
 
-    def save(self, step: int, *, last_step: bool = False) -> None:
+    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> None:
         """Save if `step` is due (every `interval` steps, at `last_step`, or step 0 for a seed
-        checkpoint). An async save returns after staging; its commit happens on a later call."""
+        checkpoint), or now with `force` (a preemption: always a full, resumable, synchronous
+        save, never model-only and never an HF export). An async save returns after staging;
+        its commit happens on a later call. A state holding NaN or inf is never saved: that
+        raises CheckpointSaveError and the previous checkpoint stays the newest."""
         self._poll_pending()
-        if not self.is_due(step, last_step):
+        if not (force or self.is_due(step, last_step)):
             return
         self.wait()
         seed = self.config.create_seed_checkpoint
-        model_only = seed or (last_step and self.config.last_save_model_only)
+        final = last_step and not force
+        model_only = seed or (final and self.config.last_save_model_only)
         if model_only:
             dtype = None if seed else DTYPES[self.config.export_dtype]
             to_save = {"model": ModelState(self._model_parts, dtype=dtype)}
         else:
             to_save = {**self.states, "config": BlobState(TextState(self.config_toml), "toml")}
+        self._refuse_nonfinite(step, model_only)
         record = {
             "step": step,
             "states": sorted(to_save),
             "model_only": model_only,
             "world_size": self.world_size,
             "dp_world_size": self.dp_world_size,
+            "finite": True,
         }
         tmp = layout.tmp_dir(self.folder, step)
         if self.rank == 0:
@@ -164,7 +215,9 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         self._barrier()
         start = time.perf_counter()
-        use_async = self.config.async_mode != "disabled" and not last_step and not seed
+        use_async = (
+            self.config.async_mode != "disabled" and not last_step and not seed and not force
+        )
         try:
             if use_async:
                 self._pending = self._start_async(step, tmp, record, to_save)
@@ -174,20 +227,36 @@ class CheckpointManager:
                     time.perf_counter() - start,
                 )
                 return
-            dcp.save(to_save, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=not self._dist)
-            if last_step and self.config.last_save_in_hf:
+            dcp.save(to_save, storage_writer=ChecksummingWriter(str(tmp)), no_dist=not self._dist)
+            if final and self.config.last_save_in_hf:
                 self._export_hf(to_save, tmp / "hf")
         except BaseException as e:
-            self._discard(tmp)
-            _raise_save_error(e, step)
+            self._fail(e, step, tmp)
         self._commit(step, tmp, record)
         self._barrier()
         log.info(
-            "checkpoint step %d saved to %s in %.2fs",
+            "checkpoint step %d saved to %s in %.2fs%s",
             step,
             layout.step_dir(self.folder, step),
             time.perf_counter() - start,
+            " (forced: a full, resumable save)" if force else "",
         )
+
+    def _refuse_nonfinite(self, step: int, model_only: bool) -> None:
+        # The live model and optimizer, not the export-dtype copy a model-only save writes.
+        local = []
+        if self._model_parts is not None:
+            local += nonfinite_entries(ModelState(self._model_parts).state_dict(), "model")
+        if not model_only and "optimizer" in self.states:
+            local += nonfinite_entries(self.states["optimizer"].state_dict(), "optimizer")
+        bad = self._gather(local)
+        if bad:
+            shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            raise CheckpointSaveError(
+                f"checkpoint step {step} not saved: {shown} hold NaN or inf; a checkpoint never "
+                f"stores non-finite values, so {self._newest_note()} (lower the learning rate, "
+                "or check the data)"
+            )
 
     def _start_async(
         self, step: int, tmp: Path, record: dict[str, Any], to_save: dict[str, Any]
@@ -199,7 +268,7 @@ class CheckpointManager:
         )
         result = dcp.async_save(
             to_save,
-            storage_writer=dcp.FileSystemWriter(str(tmp)),
+            storage_writer=ChecksummingWriter(str(tmp)),
             process_group=self._async_pg,
             async_checkpointer_type=kind,
             async_stager=self._stager,
@@ -226,8 +295,7 @@ class CheckpointManager:
         try:
             pending.upload.result()  # DCP's final collective: on return every rank has written
         except BaseException as e:
-            self._discard(pending.tmp)
-            _raise_save_error(e, pending.step)
+            self._fail(e, pending.step, pending.tmp)
         self._commit(pending.step, pending.tmp, pending.record)
         log.info("checkpoint step %d committed (async)", pending.step)
 
@@ -238,17 +306,39 @@ class CheckpointManager:
         layout.commit(tmp, final, record, self.config_toml)
         in_flight = {self._pending.tmp} if self._pending is not None else set()
         protect = {self._loaded_path} if self._loaded_path is not None else set()
-        for path in layout.prune(self.folder, self.config.keep_latest_k, protect):
+        for path in layout.prune(self.folder, self.config.keep_latest_k, protect, newest=step):
             log.info(
                 "removed old checkpoint %s (keep_latest_k = %d)", path, self.config.keep_latest_k
             )
         layout.remove_leftovers(self.folder, skip=in_flight)
 
+    def _fail(self, error: BaseException, step: int, tmp: Path) -> None:
+        """Report a failed save with its real cause in one line, give the space back, raise."""
+        if isinstance(error, KeyboardInterrupt):
+            self._discard(tmp)
+            raise error
+        reason = failure_reason(error)
+        if reason is None:
+            # DCP's own message may hide the cause ("unexpected pos 704 vs 598"), and errors
+            # gathered from other ranks lose their chain: ask the file system directly.
+            try:
+                check_writable(self.folder, purpose="checkpoint folder")
+                reason = first_line(error)
+            except RunFolderError as e:
+                reason = str(e).splitlines()[0].split(" is not writable: ", 1)[-1]
+        self._discard(tmp)
+        raise CheckpointSaveError(
+            f"checkpoint save at step {step} failed: {reason}; {self._newest_note()}"
+        ) from error
+
+    def _newest_note(self) -> str:
+        found = layout.list_checkpoints(self.folder)
+        if not found:
+            return "there is no earlier checkpoint"
+        return f"the previous checkpoint {found[-1][1].name} stays the newest"
+
     def _discard(self, tmp: Path) -> None:
         if self.rank == 0:
-            log.error(
-                "checkpoint save into %s failed; the previous checkpoint stays the newest", tmp
-            )
             shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
 
     def _export_hf(self, to_save: dict[str, Any], out: Path) -> None:
@@ -264,16 +354,97 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self, step: int = -1) -> int | None:
-        """Restore the newest complete checkpoint (or `step`); return its step, or None if there is
-        none and no `initial_load_path`. Model-only checkpoints restore the weights only."""
-        path = self._choose(step)
-        if path is None:
+        """Restore the newest usable checkpoint (or `step`); return its step, or None if there
+        is none and no `initial_load_path`. Model-only checkpoints restore the weights only.
+
+        Before anything is read, each candidate's files are checked against the checksums in
+        its marker and its metadata is read without running code; a candidate that fails is
+        reported by name with the reason and the previous one is tried. Values read back
+        with NaN or inf also reject a checkpoint. CheckpointLoadError when none is usable."""
+        candidates = self._candidates(step)
+        if not candidates:
             return self._initial_load()
+        failed: list[str] = []
+        touched: set[str] = set()
+        for path in candidates:
+            problem = self._problems(path)
+            if problem is None and touched - set(_states_of(path)):
+                problem = (
+                    f"it lacks {', '.join(sorted(touched - set(_states_of(path))))}, which the "
+                    "failed read of a newer checkpoint left half loaded"
+                )
+            if problem is None:
+                try:
+                    loaded = self._load_from(path, touched)
+                except _Unusable as e:
+                    problem = str(e)
+                else:
+                    if failed:
+                        log.warning(
+                            "resumed from %s instead of the newest checkpoint, which failed its checks",
+                            path.name,
+                        )
+                    return loaded
+            failed.append(f"{path.name}: {problem}")
+            log.error("checkpoint %s is not usable: %s", path, problem)
+            if step != -1:
+                break
+        raise CheckpointLoadError(
+            f"no usable checkpoint in {self.folder}:\n  "
+            + "\n  ".join(failed)
+            + "\nmove the broken ones away (or delete them) to resume from an older one, or to start afresh"
+        )
+
+    def _candidates(self, step: int) -> list[Path]:
+        """Checkpoints to try, best first: full ones newest first, then model-only ones (a seed
+        or final export cannot resume a run). Rank 0's view, so that every rank tries the same."""
+        found = layout.committed(self.folder)
+        if step != -1:
+            chosen = [path for s, path in found if s == step]
+            if not chosen:
+                have = ", ".join(str(s) for s, _ in layout.list_checkpoints(self.folder)) or "none"
+                raise FileNotFoundError(
+                    f"no complete checkpoint for step {step} in {self.folder} (complete steps: {have})"
+                )
+        else:
+            full = [path for _, path in reversed(found) if not _model_only(path)]
+            chosen = full + [path for _, path in reversed(found) if _model_only(path)]
+        if self._dist and self.world_size > 1:
+            box = [chosen]
+            dist.broadcast_object_list(box, src=0)
+            chosen = box[0]
+        if chosen and step == -1:
+            log.info("resuming from the newest complete checkpoint: %s", chosen[0])
+        return chosen
+
+    def _problems(self, path: Path) -> str | None:
+        """Why `path` cannot be loaded, or None (see `checkpoint_problems`); the data files'
+        checksums are shared between the ranks, and every rank gets the whole answer."""
+        local = checkpoint_problems(path, self.rank, self.world_size)
+        if not local and self.rank == 0 and layout.read_commit(path).get("files") is None:
+            log.warning(
+                "checkpoint %s records no checksums (saved by titan-ckpt 0.1.0 or another tool): "
+                "its files are not verified",
+                path,
+            )
+        problems = self._gather(local)
+        return "; ".join(problems) if problems else None
+
+    def _load_from(self, path: Path, touched: set[str]) -> int:
         record = layout.read_commit(path)
         keys = checkpoint_keys(path)
         request, skipped = self._request(keys, record)
         start = time.perf_counter()
-        self._read(request, path)
+        try:
+            self._read(request, path)
+        except Exception as e:  # noqa: BLE001 - the caller falls back to an older checkpoint
+            touched.update(name for name in request if name in ("model", "optimizer"))
+            reason = failure_reason(e) or first_line(e)
+            raise _Unusable(f"reading it failed: {reason}") from e
+        bad = self._loaded_nonfinite(request)
+        if bad:
+            touched.update(name for name in request if name in ("model", "optimizer"))
+            raise _Unusable(f"it holds NaN or inf in {', '.join(bad[:5])}")
         self._loaded_path = path
         note = f"; not restored: {', '.join(skipped)}" if skipped else ""
         log.info(
@@ -285,23 +456,12 @@ class CheckpointManager:
         )
         return int(record["step"])
 
-    def _choose(self, step: int) -> Path | None:
-        found = layout.list_checkpoints(self.folder)
-        if step != -1:
-            for s, path in found:
-                if s == step:
-                    return path
-            have = ", ".join(str(s) for s, _ in found) or "none"
-            raise FileNotFoundError(
-                f"no complete checkpoint for step {step} in {self.folder} (complete steps: {have})"
-            )
-        if not found:
-            return None
-        resumable = [(s, p) for s, p in found if not layout.read_commit(p).get("model_only")]
-        # A model-only save (seed, final export) cannot resume a run: prefer the newest full one.
-        newest = resumable[-1] if resumable else found[-1]
-        log.info("resuming from the newest complete checkpoint: %s", newest[1])
-        return newest[1]
+    def _loaded_nonfinite(self, request: dict[str, Any]) -> list[str]:
+        local = []
+        for name in ("model", "optimizer"):
+            if name in request:
+                local += nonfinite_entries(self.states[name].state_dict(), name)
+        return self._gather(local)
 
     def _request(
         self, keys: Mapping[str, Any], record: Mapping[str, Any]
@@ -339,7 +499,7 @@ class CheckpointManager:
         try:
             dcp.load(
                 request,
-                storage_reader=dcp.FileSystemReader(str(path)),
+                storage_reader=SafeFileSystemReader(str(path)),
                 planner=SafeLoadPlanner(),
                 no_dist=not self._dist,
             )
@@ -368,41 +528,69 @@ class CheckpointManager:
             raise FileNotFoundError(
                 f"[checkpoint] initial_load_path = {str(path)!r} is not a complete checkpoint folder"
             )
+        problem = self._problems(path)
+        if problem is not None:
+            raise CheckpointLoadError(
+                f"[checkpoint] initial_load_path = {str(path)!r} is not usable: {problem}"
+            )
         keys = checkpoint_keys(path)
         record = layout.read_commit(path)
         request, _ = self._request(keys, record)
         if cfg.initial_load_model_only:
             request = {"model": request["model"]}
         self._read(request, path)
+        bad = self._loaded_nonfinite(request)
+        if bad:
+            raise CheckpointLoadError(
+                f"[checkpoint] initial_load_path = {str(path)!r} holds NaN or inf in {', '.join(bad[:5])}"
+            )
         log.info("initialised from %s (%s)", path, ", ".join(sorted(request)))
         return 0
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Finish and commit an in-flight save and release the stager and hooks."""
-        self.wait()
-        self._barrier()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
-        if self._staging_hook is not None:
-            self._staging_hook.remove()
-            self._staging_hook = None
+        """Finish and commit an in-flight save, release the stager and hooks, and let go of
+        the folder."""
+        try:
+            self.wait()
+            self._barrier()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._staging_hook is not None:
+                self._staging_hook.remove()
+                self._staging_hook = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def _barrier(self) -> None:
         if self._dist and self.world_size > 1:
             dist.barrier()
 
+    def _gather(self, local: list[str]) -> list[str]:
+        """Every rank's list, concatenated without repeats (a collective in a distributed job)."""
+        if not (self._dist and self.world_size > 1):
+            return local
+        everyone: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(everyone, local)
+        merged: list[str] = []
+        for items in everyone:
+            merged += [item for item in items or [] if item not in merged]
+        return merged
 
-class CheckpointSaveError(RuntimeError):
-    """A save failed on some rank (disk full, I/O error); the previous checkpoint is intact."""
+
+class _Unusable(Exception):
+    """A checkpoint that passed its file checks but could not be restored."""
 
 
-def _raise_save_error(error: BaseException, step: int) -> None:
-    # DCP reports write failures as CheckpointException, a BaseException that `except Exception`
-    # would miss; turn it into an ordinary error that names the step.
-    if isinstance(error, CheckpointException):
-        raise CheckpointSaveError(
-            f"checkpoint save at step {step} failed; the previous complete checkpoint stays the newest.\n{error}"
-        ) from error
-    raise error
+def _model_only(path: Path) -> bool:
+    try:
+        return bool(layout.read_commit(path).get("model_only"))
+    except (OSError, ValueError):
+        return False  # unreadable: tried (and reported) among the full ones
+
+
+def _states_of(path: Path) -> list[str]:
+    return list(layout.read_commit(path).get("states", []))

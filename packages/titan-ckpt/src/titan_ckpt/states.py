@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_ckpt.safe_read import load_plain
+
 
 def as_parts(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
     return [model] if isinstance(model, nn.Module) else list(model)
@@ -155,7 +157,7 @@ class BlobState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         data = state_dict[self.key].numpy().tobytes()
-        self.inner.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
+        self.inner.load_state_dict(load_plain(data, f"the saved state {self.key!r}"))
         self.load_size = None
 
 

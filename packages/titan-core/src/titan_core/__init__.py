@@ -24,6 +24,7 @@ from titan_core.device import (
 )
 from titan_core.distributed import (
     DistInfo,
+    any_rank,
     destroy_distributed,
     init_distributed,
     world_size_from_env,
@@ -57,6 +58,7 @@ from titan_core.protocols import (
     TPPlan,
     TPStyle,
 )
+from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 from titan_core.sections import Comm, Job
 from titan_core.seed import set_seed
 
@@ -76,6 +78,7 @@ __all__ = [
     "CpuBound",
     "DataSpec",
     "DistInfo",
+    "FolderLock",
     "HFAdapter",
     "Job",
     "MemoryMonitor",
@@ -85,13 +88,16 @@ __all__ = [
     "ParallelizableModel",
     "PeakFlops",
     "PluginError",
+    "RunFolderError",
     "Stateful",
     "StatefulLoader",
     "TPPlan",
     "TPStyle",
     "Tokenizer",
+    "any_rank",
     "available",
     "backend_for",
+    "check_writable",
     "config_to_dict",
     "cpu_peak_bound",
     "destroy_distributed",

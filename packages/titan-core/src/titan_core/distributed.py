@@ -57,3 +57,20 @@ def world_size_from_env() -> int:
     """The job's process count as torchrun announces it (1 without torchrun), readable before
     any process group exists, so that configs can be checked first."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank of the default process group (`flag` itself without a
+    group). A collective: every rank calls it. The tensor lives where the backend needs it (CPU
+    for gloo, the accelerator for NCCL)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    backend = str(dist.get_backend())
+    if "gloo" in backend:
+        device = torch.device("cpu")
+    else:
+        accelerator = torch.accelerator.current_accelerator()
+        device = torch.device(accelerator.type, torch.accelerator.current_device_index())
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

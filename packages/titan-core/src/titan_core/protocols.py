@@ -179,13 +179,15 @@ class Checkpointer(Protocol):
 
     The trainer hands it a dict of `Stateful`s (model, optimizer, lr_scheduler, dataloader,
     train_state) when it is built, then calls `load()` once and `save(step)` every step; the
-    checkpointer decides from its own config whether a step is due.
+    checkpointer decides from its own config whether a step is due. On a preemption (SIGTERM)
+    the trainer calls `save(step, force=True)`: save now, a full checkpoint the run can resume
+    from (never a model-only or export-only save).
     """
 
     def load(self, step: int = -1) -> int | None:
         """Restore the states; return the step restored, or None when there is nothing to load."""
 
-    def save(self, step: int, *, last_step: bool = False) -> None: ...
+    def save(self, step: int, *, last_step: bool = False, force: bool = False) -> None: ...
 
     def close(self) -> None:
         """Finish in-flight saves and release resources."""

@@ -11,13 +11,24 @@ Forms of `dataset` (with `dataset_path`):
   local copy.
 - a local file, folder or glob of jsonl/json, parquet or plain-text files, or one of the
   format names `jsonl`, `json`, `parquet`, `text` with the files in `dataset_path`.
+
+Local jsonl/json and text files are read line by line here rather than by pyarrow, so that a
+row that is not a text document (malformed JSON, invalid UTF-8, a missing or non-string text
+field) is a row of its own, named by file and line (`BAD_ROW` says why), which the loader
+can refuse or skip; and so that all of them can be found before training (`scan_bad_rows`).
 """
 
 from __future__ import annotations
 
+import bz2
+import functools
 import glob
+import gzip
+import io
+import json
+import lzma
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import datasets
@@ -53,15 +64,26 @@ ACCEPTED = (
 )
 
 
+class DataError(ValueError):
+    """The data cannot make batches: a bad row, too few tokens, or a source that fails to read."""
+
+
+BAD_ROW = "titan_bad_row"
+"""Column that the line readers set, instead of the text, on a row that is not a document:
+`file:line: what is wrong`."""
+
+
 @dataclass(frozen=True)
 class Source:
     """A dataset ready to stream: `build()` returns a fresh, unsharded `IterableDataset`
-    (a fresh one per epoch, so no iteration state leaks between epochs or loaders)."""
+    (a fresh one per epoch, so no iteration state leaks between epochs or loaders).
+    `files` lists the local files it reads line by line (those `scan_bad_rows` checks)."""
 
     name: str
     description: str
     text_field: str
     build: Callable[[], datasets.IterableDataset]
+    files: tuple[str, ...] = ()
 
 
 def _format_of(path: str) -> str | None:
@@ -115,16 +137,132 @@ def _local_source(name: str, spec: str, text_field: str, fmt: str | None = None)
                 "point it at files of one format"
             )
         (fmt,) = formats
-    kwargs = {"sample_by": "document"} if fmt == "text" else {}
-    # A plain-text file is one document; its text lands in the column "text".
-    field = "text" if fmt == "text" else text_field
-
-    def build() -> datasets.IterableDataset:
-        return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True, **kwargs)
-
     kind = {"json": "jsonl", "parquet": "parquet", "text": "text"}[fmt]
     plural = "s" if len(files) != 1 else ""
-    return Source(name, f"{len(files)} {kind} file{plural} ({spec})", field, build)
+    description = f"{len(files)} {kind} file{plural} ({spec})"
+    if fmt == "parquet":
+
+        def build() -> datasets.IterableDataset:
+            return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True)
+
+        return Source(name, description, text_field, build)
+    # One shard per file, so that data-parallel ranks split them as before; rows carry "text".
+    reader = _json_rows if fmt == "json" else _text_rows
+
+    def build_lines() -> datasets.IterableDataset:
+        return datasets.IterableDataset.from_generator(
+            reader, gen_kwargs={"files": files, "text_field": text_field}
+        )
+
+    return Source(name, description, "text", build_lines, tuple(files))
+
+
+def _open(path: str) -> io.BufferedIOBase:
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if lower.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    if lower.endswith(".xz"):
+        return lzma.open(path, "rb")
+    if lower.endswith(".zst"):
+        try:
+            import zstandard  # noqa: PLC0415 - optional, only for .zst files
+        except ImportError:
+            raise ImportError(
+                f"reading {path} needs the zstandard package: pip install zstandard"
+            ) from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
+
+
+def _bad(path: str, line: int, why: str) -> dict:
+    return {"text": None, BAD_ROW: f"{path}:{line}: {why}"}
+
+
+def _document(path: str, line: int, row: object, text_field: str) -> dict:
+    if not isinstance(row, dict):
+        return _bad(
+            path, line, f"a JSON {type(row).__name__}, not an object with a {text_field!r} field"
+        )
+    if text_field not in row:
+        found = ", ".join(map(repr, row)) or "none"
+        return _bad(path, line, f"has no field {text_field!r}; fields found: {found}")
+    text = row[text_field]
+    if text is not None and not isinstance(text, str):
+        return _bad(path, line, f"field {text_field!r} holds {type(text).__name__}, not text")
+    return {"text": text, BAD_ROW: None}
+
+
+def _json_rows(files: list[str], text_field: str) -> Iterator[dict]:
+    """Documents of JSON-lines files (or of `.json` files holding one list of objects), one
+    row per line; a line that is not a document gives a `BAD_ROW` row naming file and line."""
+    for path in files:
+        with _open(path) as f:
+            head = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
+            if head.startswith(b"["):
+                yield from _json_list_rows(path, f.read(), text_field)
+                continue
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield _bad(path, number, f"invalid UTF-8 at byte {e.start + 1} of the line")
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    why = e.msg.removesuffix(" at")
+                    yield _bad(path, number, f"malformed JSON ({why} at column {e.colno})")
+                    continue
+                yield _document(path, number, row, text_field)
+
+
+def _json_list_rows(path: str, data: bytes, text_field: str) -> Iterator[dict]:
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        yield _bad(path, data.count(b"\n", 0, e.start) + 1, "invalid UTF-8")
+        return
+    except json.JSONDecodeError as e:
+        yield _bad(
+            path, e.lineno, f"malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+        )
+        return
+    for i, row in enumerate(rows, 1):
+        yield _document(f"{path} element", i, row, text_field)
+
+
+def _text_rows(files: list[str], text_field: str) -> Iterator[dict]:
+    """One document per plain-text file."""
+    for path in files:
+        with _open(path) as f:
+            data = f.read()
+        try:
+            yield {"text": data.decode("utf-8"), BAD_ROW: None}
+        except UnicodeDecodeError as e:
+            yield _bad(path, data.count(b"\n", 0, e.start) + 1, "invalid UTF-8")
+
+
+def scan_bad_rows(source: Source) -> tuple[int, str | None]:
+    """Read every row of `source`'s local files once: (rows read, the first bad row or None).
+    Remembered per file version, so that loaders built again (validation) do not re-read."""
+    if not source.files:
+        return 0, None
+    stamps = tuple((f, os.path.getsize(f), os.path.getmtime(f)) for f in source.files)
+    return _scan(stamps, source.text_field, source.build)
+
+
+@functools.lru_cache(maxsize=32)
+def _scan(stamps: tuple, text_field: str, build: Callable) -> tuple[int, str | None]:
+    rows = 0
+    for row in build():
+        rows += 1
+        if row.get(BAD_ROW):
+            return rows, row[BAD_ROW]
+    return rows, None
 
 
 def _hub_source(name: str, hub: HubDataset, local_copy: str | None) -> Source:
@@ -215,7 +353,19 @@ def check_source(source: Source) -> None:
         first = next(iter(source.build()), None)
     except StopIteration:  # `datasets` lets this escape when a json file is empty
         first = None
+    except Exception as e:  # noqa: BLE001 - pyarrow and friends: say which dataset, in one line
+        text = str(e).strip().splitlines()
+        raise DataError(
+            f"dataset {source.name} ({source.description}): reading its first rows failed:"
+            f" {type(e).__name__}: {text[0] if text else ''}"
+        ) from e
     if first is None:
-        raise ValueError(f"dataset {source.name} ({source.description}) is empty")
+        raise DataError(f"dataset {source.name} ({source.description}) is empty")
     if source.text_field not in first:
-        raise ValueError(missing_field_message(source, first))
+        raise DataError(missing_field_message(source, first))
+    bad = first.get(BAD_ROW)
+    if bad and ": has no field " in bad:  # on the first row: most likely the wrong text_field
+        raise DataError(
+            f"dataset {source.name} ({source.description}): {bad}; "
+            "set text_field to the field that holds the text"
+        )

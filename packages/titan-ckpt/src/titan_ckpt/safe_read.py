@@ -1,0 +1,109 @@
+"""Reading a checkpoint folder without running code from it.
+
+DCP stores its `.metadata` with pickle and reads it back with plain `pickle.load`, which runs
+whatever a planted file asks for. `SafeFileSystemReader` reads it through an unpickler that
+admits only the classes DCP metadata is made of (its metadata dataclasses, torch.Size, dtypes,
+layouts, memory formats and paths); anything else is refused with `UnsafeCheckpointError`
+before it is called. Tensors and serialised states are read with `torch.load(weights_only=True)`,
+whose refusals are reworded by `load_plain` without torch's advice to retry unsafely.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_METADATA_MODULE, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file asked to load something that is not plain checkpoint data."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUES):
+            return getattr(torch, name)  # torch.float32, torch.strided, ...
+        raise UnsafeCheckpointError(
+            f"refused to read {self.path}: it asks to load {module}.{name}, which DCP metadata "
+            "never holds; a checkpoint is data and never runs code, so this file was written or "
+            "changed by something else. Do not load it; find out who wrote it, and delete it"
+        )
+
+
+def read_metadata_file(path: str | Path) -> Metadata:
+    """A DCP `.metadata` file, unpickled with only the classes DCP metadata consists of."""
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(f, str(path)).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(
+            f"refused to read {path}: it holds a {type(metadata).__name__}, not DCP metadata"
+        )
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's FileSystemReader with `.metadata` read by `read_metadata_file`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_plain(data: bytes | io.BytesIO, what: str) -> Any:
+    """`torch.load(weights_only=True)` of a serialised state; a refusal names `what` and the
+    offending object, and never suggests loading with weights_only=False."""
+    buffer = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        return torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"refused to load {what}: {weights_only_reason(e)}; a checkpoint holds tensors and "
+            "plain Python values only, and never runs code"
+        ) from None
+
+
+def weights_only_reason(error: BaseException) -> str:
+    """The reason in torch's weights_only refusal, without its advice to load unsafely."""
+    skip = ("Weights only load failed", "Check the documentation", "Please file an issue")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith(skip)]
+    return " ".join(kept[:2]) or type(error).__name__
