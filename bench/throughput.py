@@ -31,7 +31,8 @@ from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import build_parallel_runtime
-from titan_trainer.train import build_model, compute_dtype, cross_entropy_loss
+from titan_trainer.precision import compute_dtype
+from titan_trainer.train import build_model, cross_entropy_loss
 
 
 def bench_flavor(flavor: str, args, device, peak: float, dtype: torch.dtype) -> dict:

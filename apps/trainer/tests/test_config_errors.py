@@ -51,8 +51,8 @@ def test_sequence_length_not_divisible_by_tp():
     assert problems(
         ["--parallelism.tensor_parallel_degree", "4", "--training.seq_len", "250"], world_size=4
     ) == (
-        "titan: config error: [training] seq_len = 250 must divide by tensor_parallel_degree 4 (sequence parallel)\n"
-        "       use a multiple of 4"
+        "titan: config error: [training] seq_len = 250 must divide by 4 (tensor_parallel_degree 4, for sequence parallel)\n"
+        "       use a multiple of 4, e.g. 252"
     )
 
 

@@ -123,8 +123,10 @@ def test_every_config_problem_is_reported_together_before_any_simulation(tmp_pat
 
 
 def test_world_size_must_be_known(tmp_path):
+    # the debug config names 1 process; without that, an open FSDP degree leaves it unknown
     result = run_cli(
-        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run"], env_extra={"NGPU": ""}
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "none"],
+        env_extra={"NGPU": ""},
     )
     assert result.returncode == 2
     assert "needs the job's world size" in result.stdout and "--dry_run.world_size" in result.stdout
@@ -236,3 +238,24 @@ def test_training_a_model_this_machine_cannot_hold_stops_before_allocating(tmp_p
         "needs 119.7 GiB for its parameters, gradients and optimizer state alone" in result.stderr
     )
     assert "--dry-run" in result.stderr
+
+
+def test_all_ranks_simulates_every_pipeline_rank(tmp_path):
+    result = run_cli(
+        [
+            *SMALL,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--dry-run",
+            "--dry_run.world_size",
+            "4",
+            "--dry_run.all_ranks",
+            "--parallelism.pipeline_parallel_degree",
+            "4",
+            "--training.local_batch_size",
+            "4",
+        ]
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = _table_rows(result.stdout)
+    assert list(rows) == [f"pipeline rank {r}" for r in range(4)], result.stdout

@@ -47,3 +47,50 @@ def test_scheduler_drives_the_optimizer_lr():
         opt.step()
         sched.step()
     assert seen == pytest.approx([2 / 3, 4 / 3, 2 * 0.75, 2 * 0.5, 2 * 0.25, 0.0])
+
+
+def _schedule(steps: int, **kw):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    cfg = LRScheduler(warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.0, **kw)
+    return optimizer, build_lr_scheduler(optimizer, cfg, steps)
+
+
+def _run(optimizer, scheduler, n: int) -> list[float]:
+    lrs = []
+    for _ in range(n):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_resume_with_the_same_settings_continues_the_schedule_exactly():
+    optimizer, scheduler = _schedule(10)
+    uninterrupted = _run(optimizer, scheduler, 10)
+    optimizer, scheduler = _schedule(10)
+    first = _run(optimizer, scheduler, 6)
+    state = scheduler.state_dict()
+    optimizer2, scheduler2 = _schedule(10)
+    scheduler2.load_state_dict(state)
+    assert first + _run(optimizer2, scheduler2, 4) == uninterrupted
+
+
+def test_extending_a_run_follows_the_new_schedule_from_the_first_resumed_step(caplog):
+    import logging
+
+    optimizer, scheduler = _schedule(10)
+    _run(optimizer, scheduler, 8)  # steps 9 and 10 of the 10-step run would end the decay
+    state = scheduler.state_dict()
+    optimizer2, scheduler2 = _schedule(20)  # extended to 20 steps: stable until step 10
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        scheduler2.load_state_dict(state)
+    resumed = _run(optimizer2, scheduler2, 12)
+    expected = [lr_factor(s, warmup=2, stable=8, decay=10) for s in range(8, 20)]
+    # The first resumed step already uses the 20-step schedule (not the checkpoint's lr).
+    assert resumed == pytest.approx(expected)
+    assert resumed[0] == 1.0  # back in the stable phase
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("titan")]
+    assert len(messages) == 1 and "total_steps 10 -> 20" in messages[0], messages
+    # old 10-step schedule at step 9: 2 warm-up, 3 stable, decay 4/5 done -> factor 0.2
+    assert "from step 9 on" in messages[0] and "factor 0.2 there" in messages[0], messages

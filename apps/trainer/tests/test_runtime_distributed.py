@@ -200,7 +200,9 @@ def train_case(world: int, model_name: str, layout: str) -> dict:
     runtime = _runtime(cfg, world)
     with torch.device("meta"):
         model = MODELS[model_name]()
-    (part,) = runtime.parallelize_and_init(model)
+    (part,) = runtime.parallelize(model)
+    runtime.materialize([part])
+    runtime.init_weights([part])
     initial = full_state(part)
     opt = build_optimizer([part], cfg.optimizer)
     inputs, labels = batch()
@@ -229,6 +231,7 @@ def device_check_case(world: int) -> dict:
     from device_check import CollectiveDeviceCheck
 
     from titan_core import plugins, resolve
+    from titan_trainer.guards import StepGuard
     from titan_trainer.metrics import StepTimer
     from titan_trainer.optimizer import build_optimizer
     from titan_trainer.train import train_step
@@ -241,7 +244,9 @@ def device_check_case(world: int) -> dict:
     tokenizer = data.build_tokenizer("byte")
     with torch.device("meta"):
         model = llama_1b_shaped(vocab=320)  # the byte vocabulary, padded as the trainer does
-    parts = runtime.parallelize_and_init(model)
+    parts = runtime.parallelize(model)
+    runtime.materialize(parts)
+    runtime.init_weights(parts)
     opt = build_optimizer(parts, cfg.optimizer)
     dp = runtime.dims.mesh("dp")
     dp_rank, dp_world = dp.get_local_rank(), dp.size()
@@ -258,7 +263,8 @@ def device_check_case(world: int) -> dict:
     batches = iter(loader)
     with CollectiveDeviceCheck() as check:
         losses = [
-            train_step(runtime, parts, opt, batches, 1, StepTimer(), cfg)[0] for _ in range(2)
+            train_step(runtime, parts, opt, batches, 1, StepTimer(), cfg, StepGuard(opt), step)[0]
+            for step in (1, 2)
         ]
         val_loss = validator.run(runtime, parts)
     # The pattern validation used to have: a flag made without device= and all-reduced.

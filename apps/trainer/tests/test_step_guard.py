@@ -64,6 +64,8 @@ def trainer_parts():
             cfg, dims, info.device, torch.float32, 0, cross_entropy_loss
         )
         parts = build_model(cfg, runtime, tokenizer.vocab_size, [])
+        runtime.materialize(parts)
+        runtime.init_weights(parts)
         yield cfg, runtime, parts, iter(loader)
     finally:
         destroy_distributed()

@@ -139,10 +139,6 @@ def test_valid_sections_have_no_problems() -> None:
             "works through the compiler",
         ),
         (
-            dict(parallelism=Parallelism(tensor_parallel_degree=2), compile=Compile(enable=True)),
-            "does not work together with tensor parallel",
-        ),
-        (
             dict(
                 parallelism=Parallelism(
                     data_parallel_replicate_degree=2,
@@ -164,6 +160,13 @@ def test_combinations_that_cannot_run_are_reported(kwargs: dict, expected: str) 
 
 
 def test_supported_combination_has_no_problems() -> None:
+    # compile with tensor parallel runs (titan_parallel.copy_block_inputs): no problem reported
+    assert (
+        check_parallelize_config(
+            Parallelism(tensor_parallel_degree=2), compile=Compile(enable=True)
+        )
+        == []
+    )
     cfg = Parallelism(tensor_parallel_degree=2, data_parallel_replicate_degree=2)
     assert check_parallelize_config(cfg, ActivationCheckpoint(), Compile(), cpu_offload=True) == []
     assert (

@@ -22,16 +22,9 @@ def _plugin_problem(group: str, key: str, name: str) -> str | None:
 
 
 def parallel_dims_for(config: JobConfig, world_size: int) -> ParallelDims:
-    p = config.parallelism
-    return ParallelDims(
-        world_size=world_size,
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree,
-    )
+    """The layout `[parallelism]` describes for a job of `world_size` processes (raises
+    ConfigError when the degrees do not fit it)."""
+    return config.parallelism.build_parallel_dims(world_size)
 
 
 def check_config(config: JobConfig, world_size: int) -> None:
@@ -84,15 +77,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
             "set expert_parallel_degree = 1"
         )
     t = config.training
-    if t.seq_len % dims.seq_len_divisor:
-        problems.append(
-            f"[training] seq_len = {t.seq_len} must divide by {dims.seq_len_divisor}"
-            f" (tensor_parallel {dims.tp} x 2 x context_parallel {dims.cp} for load-balanced sequence sharding)\n"
-            f"use a multiple of {dims.seq_len_divisor}, e.g. {(t.seq_len // dims.seq_len_divisor + 1) * dims.seq_len_divisor}"
-            if dims.cp > 1
-            else f"[training] seq_len = {t.seq_len} must divide by tensor_parallel_degree {dims.tp} (sequence parallel)\n"
-            f"use a multiple of {dims.tp}"
-        )
+    problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
     if t.global_batch_size != -1 and t.global_batch_size % per_step:
         problems.append(
@@ -102,10 +87,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         )
     v = config.validation
     if t.seq_len > 0 and v.enable and v.seq_len != -1:
-        if v.seq_len % dims.seq_len_divisor:
-            problems.append(
-                f"[validation] seq_len = {v.seq_len} must divide by {dims.seq_len_divisor}"
-            )
+        problems += _seq_len_problems("validation", v.seq_len, dims)
         if v.seq_len > t.seq_len or (dims.cp > 1 and v.seq_len != t.seq_len):
             problems.append(
                 f"[validation] seq_len = {v.seq_len} must be {'equal to' if dims.cp > 1 else 'at most'}"
@@ -120,6 +102,23 @@ def check_config(config: JobConfig, world_size: int) -> None:
         )
     if problems:
         raise ConfigError(problems)
+
+
+def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[str]:
+    """Sequence parallel splits a sequence over the TP ranks, and context parallel into 2 x cp
+    load-balanced chunks: the length must divide by `dims.seq_len_divisor`."""
+    divisor = dims.seq_len_divisor
+    if seq_len % divisor == 0:
+        return []
+    why = (
+        f"tensor_parallel {dims.tp} x 2 x context_parallel {dims.cp} for load-balanced sequence sharding"
+        if dims.cp > 1
+        else f"tensor_parallel_degree {dims.tp}, for sequence parallel"
+    )
+    return [
+        f"[{section}] seq_len = {seq_len} must divide by {divisor} ({why})\n"
+        f"use a multiple of {divisor}, e.g. {(seq_len // divisor + 1) * divisor}"
+    ]
 
 
 def model_args_for(spec, config: JobConfig, vocab_size: int):

@@ -162,7 +162,7 @@ class Metrics:
     peak_tflops: float | None = None
     """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
     enable_wandb: bool = False
-    """Log to Weights & Biases (needs the wandb package)."""
+    """Log the same scalars to Weights & Biases (pip install 'titan-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -177,7 +177,8 @@ class Metrics:
 
             if importlib.util.find_spec("wandb") is None:
                 problems.append(
-                    "[metrics] enable_wandb = true, but wandb is not installed\npip install wandb, or turn it off"
+                    "[metrics] enable_wandb = true, but wandb is not installed\n"
+                    "pip install 'titan-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
                 )
         return problems
 

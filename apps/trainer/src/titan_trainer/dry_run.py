@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import titan_parallel as tp_lib
+import titan_parallel
 from titan_core import (
     ConfigError,
     MemoryMonitor,
@@ -50,10 +50,9 @@ from titan_trainer.checks import model_args_for, parallel_dims_for, preflight_pr
 from titan_trainer.config import JobConfig
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
+from titan_trainer.precision import target_compute_dtype
 
 EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
-
-_TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": torch.bfloat16}
 
 
 @dataclass
@@ -161,22 +160,23 @@ def measure_rank(
     the memory tracker. With `fake`, every tensor is fake and nothing is allocated; without,
     the same runs for real (how the estimate is validated) and the process's resident-set
     growth over the step is recorded too."""
-    from titan_trainer.train import build_model, cross_entropy_loss
+    from titan_trainer.train import (
+        build_converters,
+        build_model,
+        cross_entropy_loss,
+    )
 
     config = _simulation_config(config)
     dims = parallel_dims_for(config, world_size)
     dims.build_mesh("cpu")
-    dtype = _TARGET_DTYPES[config.training.mixed_precision_param]
+    dtype = target_compute_dtype(config.training.mixed_precision_param)
     if not fake and dtype == torch.bfloat16 and not supports_bf16(torch.device("cpu")):
         dtype = torch.float32  # what the trainer itself would compute in here
     seed = config.training.seed or 0
     runtime = build_parallel_runtime(
         config, dims, torch.device("cpu"), dtype, seed, cross_entropy_loss
     )
-    converters = [
-        resolve(plugins.CONVERTERS, name)(_section(config, name), dims)
-        for name in config.model.converters
-    ]
+    converters = build_converters(config, dims)
     stage_io = (
         _probe_stage_io(config, runtime, vocab_size, converters, fake) if dims.pp_enabled else None
     )
@@ -216,15 +216,6 @@ class _RSSGrowth:
         self.growth = int((self.monitor.stats().peak_gib - self.start) * GiB)
 
 
-def _section(config: JobConfig, dotted: str):
-    node = config
-    for part in dotted.split("."):
-        node = getattr(node, part, None)
-        if node is None:
-            return None
-    return node
-
-
 def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool):
     """What pipeline stages pass each other, from a one-block copy of the model with the same
     parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
@@ -248,7 +239,7 @@ def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converter
                 config.training.seq_len // p.context_parallel_degree,
             ),
         )
-        return tp_lib.infer_stage_io(probe, tokens)
+        return titan_parallel.infer_stage_io(probe, tokens)
 
 
 def _create_optimizer_state(parts, optimizer) -> None:
@@ -262,13 +253,10 @@ def _create_optimizer_state(parts, optimizer) -> None:
 
 
 def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> Callable[[], None]:
+    from titan_trainer.train import accumulation_steps
+
     t = config.training
-    dims = runtime.dims
-    accum = (
-        1
-        if t.global_batch_size == -1
-        else t.global_batch_size // (t.local_batch_size * dims.dp_degree)
-    )
+    accum = accumulation_steps(config, runtime.dims)
     # Gradients are allocated by the first microbatch and kept: the second one shows the
     # steady state of accumulation; more would repeat it.
     microbatches = min(accum, 2)

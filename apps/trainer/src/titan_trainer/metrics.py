@@ -1,4 +1,5 @@
-"""Per-step metrics: one dense console line and TensorBoard scalars."""
+"""Per-step metrics: one dense console line, TensorBoard scalars and (optionally) Weights &
+Biases, all from rank 0 and all with the same scalars."""
 
 from __future__ import annotations
 
@@ -57,11 +58,22 @@ MFU_ABOVE_100 = (
 
 
 class MetricsLogger:
-    """Writes the console line (rank 0) and TensorBoard scalars (rank 0)."""
+    """Writes the console line, TensorBoard scalars and W&B scalars, from rank 0."""
 
-    def __init__(self, dump_folder: str, tb_folder: str, enable_tensorboard: bool, rank: int):
+    def __init__(
+        self,
+        dump_folder: str,
+        tb_folder: str,
+        enable_tensorboard: bool,
+        rank: int,
+        *,
+        enable_wandb: bool = False,
+        run_name: str | None = None,
+        run_config: dict | None = None,
+    ):
         self.rank = rank
         self.writer = None
+        self.wandb_run = None
         self._warned_mfu = False
         if enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
@@ -69,6 +81,18 @@ class MetricsLogger:
             path = os.path.join(dump_folder, tb_folder, time.strftime("%Y%m%d-%H%M%S"))
             self.writer = SummaryWriter(path)
             log.info("TensorBoard: tensorboard --logdir %s", os.path.join(dump_folder, tb_folder))
+        if enable_wandb and rank == 0:
+            import wandb
+
+            # Project, entity, mode (online/offline) and name come from W&B's own WANDB_*
+            # variables when set; the run's files go under the dump folder.
+            self.wandb_run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "titan"),
+                name=os.environ.get("WANDB_NAME", run_name),
+                dir=dump_folder,
+                config=run_config,
+            )
+            log.info("Weights & Biases: run %s (%s)", self.wandb_run.name, self.wandb_run.dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.rank == 0:
@@ -76,15 +100,17 @@ class MetricsLogger:
             if metrics.get("mfu_pct", 0.0) > 100 and not self._warned_mfu:
                 self._warned_mfu = True
                 log.warning(MFU_ABOVE_100, metrics["mfu_pct"])
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
+        self.log_scalars(step, metrics)
 
     def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(dict(metrics), step=step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

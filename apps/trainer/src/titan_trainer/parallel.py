@@ -14,12 +14,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-import titan_parallel as tp_lib
+import titan_parallel
 from titan_core import ParallelDims, get_logger
+from titan_trainer.precision import DTYPES
 
 log = get_logger("parallel")
-
-REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -31,14 +30,14 @@ class ParallelRuntime:
     seed: int
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     flops_per_token: float = 0.0
-    pipeline: tp_lib.Pipeline | None = field(default=None, repr=False)
+    pipeline: titan_parallel.Pipeline | None = field(default=None, repr=False)
     autocast: torch.dtype | None = None
     _scale: float = 1.0
     _cp_buffers: list[dict[str, int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ build
     def parallelize(
-        self, model: nn.Module, stage_io: tp_lib.StageIO | None = None
+        self, model: nn.Module, stage_io: titan_parallel.StageIO | None = None
     ) -> list[nn.Module]:
         """Pipeline split (if PP), then TP -> AC -> compile -> FSDP on each part. The parts
         stay on the meta device (see `materialize`). Returns this rank's model parts.
@@ -47,7 +46,7 @@ class ParallelRuntime:
         p = self.config.parallelism
         self.flops_per_token = model.flops_per_token(self.config.training.seq_len)
         if self.dims.pp_enabled:
-            self.pipeline = tp_lib.build_pipeline(
+            self.pipeline = titan_parallel.build_pipeline(
                 model,
                 self.dims.mesh("pp"),
                 schedule=p.pipeline_parallel_schedule,
@@ -82,7 +81,7 @@ class ParallelRuntime:
     def parallelize_part(self, part: nn.Module) -> None:
         """TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP on one model part."""
         cfg = self.config
-        tp_lib.parallelize(
+        titan_parallel.parallelize(
             part,
             self.dims,
             part.tp_plan() if self.dims.tp_enabled else None,
@@ -90,7 +89,7 @@ class ParallelRuntime:
             ac=cfg.activation_checkpoint,
             compile=cfg.compile,
             param_dtype=self.dtype if self._fsdp_mixed_precision else torch.float32,
-            reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
+            reduce_dtype=DTYPES[cfg.training.mixed_precision_reduce],
             cpu_offload=cfg.training.enable_cpu_offload,
         )
 
@@ -106,7 +105,7 @@ class ParallelRuntime:
         `parameters=False` only buffers are rebuilt: the weights come from a checkpoint."""
         for part in parts:
             if parameters or not hasattr(part, "init_buffers"):
-                tp_lib.init_weights_exact(part, self.seed, buffer_device=self.device)
+                titan_parallel.init_weights_exact(part, self.seed, buffer_device=self.device)
             else:
                 part.init_buffers(self.device)
 
@@ -123,7 +122,9 @@ class ParallelRuntime:
         with self._contexts(parts, inputs, labels):
             if self.pipeline is not None:
                 loss = self.pipeline.step(inputs, labels)
-                return tp_lib.broadcast_pipeline_loss(loss, self.dims.mesh("pp"), self.device)
+                return titan_parallel.broadcast_pipeline_loss(
+                    loss, self.dims.mesh("pp"), self.device
+                )
             (model,) = parts
             loss = self._scaled_loss(model(inputs), labels)
             loss.backward()
@@ -154,7 +155,7 @@ class ParallelRuntime:
                 for name, dim in names.items()
             ]
             stack.enter_context(
-                tp_lib.cp_context(
+                titan_parallel.cp_context(
                     self.dims.mesh("cp"),
                     [inputs, labels, *(b for b, _ in buffers)],
                     [1, 1, *(d for _, d in buffers)],
@@ -162,7 +163,7 @@ class ParallelRuntime:
                     rotate_method=self.config.parallelism.context_parallel_rotate_method,
                 )
             )
-        stack.enter_context(tp_lib.loss_context(self.dims, self.config.parallelism))
+        stack.enter_context(titan_parallel.loss_context(self.dims, self.config.parallelism))
         if self.autocast is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast))
         return stack
@@ -170,7 +171,7 @@ class ParallelRuntime:
     def clip_grad_norm(self, parts: list[nn.Module], max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping, left on the device (no read-back)."""
         params = [p for part in parts for p in part.parameters()]
-        return tp_lib.clip_grad_norm_(
+        return titan_parallel.clip_grad_norm_(
             params, max_norm if max_norm > 0 else float("inf"), pp_mesh=self.dims.mesh("pp")
         )
 
@@ -214,4 +215,7 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 
 def build_parallel_runtime(config, dims, device, dtype, seed, loss_fn) -> ParallelRuntime:
-    return ParallelRuntime(config, dims, device, dtype, seed, loss_fn)
+    """The runtime for this layout; the loss is compiled when [compile] lists "loss"."""
+    return ParallelRuntime(
+        config, dims, device, dtype, seed, titan_parallel.compile_loss(loss_fn, config.compile)
+    )

@@ -1,8 +1,13 @@
-"""The training recipe: config -> mesh -> data -> model on meta -> convert -> parallelize ->
-init -> optimizer -> schedule -> checkpoint -> steps.
+"""The training recipe, in the order it runs:
+
+    process group -> layout (mesh, seed, dtype) -> resolved config written -> tokenizer ->
+    model on the meta device -> converters -> parallelize -> storage -> data loader ->
+    optimizer and schedule -> checkpointer -> weights (from a checkpoint, or the one
+    initialisation) -> steps
 
 Every concrete piece (model family, data package, checkpointer, converters) is found by name
-through titan-core's plugin registry; this file only composes them.
+through titan-core's plugin registry; this file only composes them. `prepare` builds a `Run`
+(everything a run holds, built once); `run_steps` trains it.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from torch import nn
 
 from titan_core import (
     ConfigError,
+    DistInfo,
     MemoryMonitor,
     ParallelDims,
+    config_to_dict,
     get_logger,
     init_distributed,
     peak_flops,
@@ -30,11 +37,11 @@ from titan_core import (
     resolve,
     resolve_device_type,
     set_seed,
-    supports_bf16,
     to_toml,
 )
 from titan_core.distributed import destroy_distributed
-from titan_trainer.checks import model_args_for, state_memory_problem
+from titan_trainer.checks import model_args_for, parallel_dims_for, state_memory_problem
+from titan_trainer.comm import report_collective_failures, start_training_timeout, trace_folder
 from titan_trainer.config import JobConfig
 from titan_trainer.guards import (
     StepGuard,
@@ -46,12 +53,11 @@ from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
+from titan_trainer.precision import compute_dtype
 from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
 from titan_trainer.validate import Validator
 
 log = get_logger("train")
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -80,6 +86,228 @@ class TrainResult:
     stopped_early: bool
 
 
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def build_converters(config: JobConfig, dims: ParallelDims) -> list:
+    """The model converters named in `model.converters` (Float8 and friends), each given the
+    config section of the same name."""
+    return [
+        resolve(plugins.CONVERTERS, name)(config_section(config, name), dims)
+        for name in config.model.converters
+    ]
+
+
+def build_model(
+    config: JobConfig,
+    runtime: ParallelRuntime,
+    vocab_size: int,
+    converters: list,
+    stage_io=None,
+) -> list[nn.Module]:
+    """Meta-device build, converters, parallelism; returns this rank's parts, still on the
+    meta device (`runtime.materialize`, then weights from `runtime.init_weights` or a
+    checkpoint)."""
+    spec = resolve(plugins.MODELS, config.model.name)
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    for converter in converters:
+        converter.convert(model)
+    if config.model.print_after_conversion:
+        log.info("model after conversion:\n%s", model)
+    return runtime.parallelize(model, stage_io)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, built once by `prepare`."""
+
+    config: JobConfig
+    info: DistInfo
+    dims: ParallelDims
+    runtime: ParallelRuntime
+    data: Any
+    """The data plugin (`titan_core.DataSpec`)."""
+    tokenizer: Any
+    loader: Any
+    converters: list
+    parts: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    state: TrainState
+    checkpointer: Any
+    """None when no checkpointing is asked for."""
+
+    @property
+    def dump(self) -> str:
+        return self.config.job.dump_folder
+
+
+def train(config: JobConfig) -> TrainResult:
+    """Run the job `config` describes on this process (one rank of it under torchrun)."""
+    info = init_distributed(
+        resolve_device_type(config.job.device),
+        config.comm.init_timeout_seconds,
+        trace_buf_size=config.comm.trace_buf_size,
+        trace_dir=trace_folder(config.job.dump_folder),
+    )
+    try:
+        # Before anything is written: one run per dump folder, and folders that take writes.
+        lock = claim_run_folders(config, info.rank)
+        try:
+            run = prepare(config, info)
+            if config.checkpoint.create_seed_checkpoint:
+                return write_seed_checkpoint(run)
+            return run_steps(run)
+        finally:
+            if lock is not None:
+                lock.release()
+    finally:
+        destroy_distributed()
+
+
+def prepare(config: JobConfig, info: DistInfo) -> Run:
+    """Every piece of the run, built in the recipe's order, with its weights in place."""
+    dims, dtype, seed = set_up_layout(config, info)
+    resolved_toml = write_resolved_config(config, info.rank)
+    data = resolve(plugins.DATA, config.training.data_plugin)
+    tokenizer = data.build_tokenizer(config.model.hf_assets_path or config.model.tokenizer_path)
+
+    runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
+    converters = build_converters(config, dims)
+    parts = build_model(config, runtime, tokenizer.vocab_size, converters)
+    problem = state_memory_problem(parts, info.device)
+    if problem:  # before anything is allocated: this job cannot hold its state here
+        raise ConfigError(problem)
+    runtime.materialize(parts)
+
+    loader = build_loader(config, data, tokenizer, dims)
+    optimizer = build_optimizer(parts, config.optimizer)
+    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    state = TrainState()
+    checkpointer = build_checkpointer(
+        config,
+        dims,
+        states={
+            "model": parts,
+            "optimizer": optimizer,
+            "lr_scheduler": lr_scheduler,
+            "dataloader": loader,
+            "train_state": state,
+        },
+        config_toml=resolved_toml,
+        vocab_size=tokenizer.vocab_size,
+    )
+    run = Run(
+        config, info, dims, runtime, data, tokenizer, loader, converters, parts, optimizer,
+        lr_scheduler, state, checkpointer,
+    )  # fmt: skip
+    restore_or_initialise(run)
+    return run
+
+
+def set_up_layout(config: JobConfig, info: DistInfo) -> tuple[ParallelDims, torch.dtype, int]:
+    """The device mesh, the seed every rank shares and the compute dtype; one log line."""
+    dims = parallel_dims_for(config, info.world_size)
+    mesh = dims.build_mesh(info.device.type)
+    seed = config.training.seed if config.training.seed is not None else 0
+    set_seed(seed, mesh, vary_over=(), deterministic=config.training.deterministic)
+    dtype = compute_dtype(config.training.mixed_precision_param, info.device)
+    log.info(
+        "%s | %d processes on %s | %s | compute %s",
+        config.job.description,
+        info.world_size,
+        info.device.type,
+        layout_text(dims),
+        dtype,
+    )
+    return dims, dtype, seed
+
+
+def write_resolved_config(config: JobConfig, rank: int) -> str:
+    """The config as it resolved, written to `<dump_folder>/config.toml` (rank 0); returned
+    for the checkpoints, which keep it too."""
+    resolved = to_toml(config)
+    dump = config.job.dump_folder
+    os.makedirs(dump, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(dump, "config.toml"), "w") as f:
+            f.write(resolved)
+    if config.job.print_config:
+        log.info("resolved config:\n%s", resolved)
+    return resolved
+
+
+def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
+    """One loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches."""
+    dp_rank, dp_world = dp_coordinates(dims)
+    return build_checked_loader(
+        data,
+        dataset=config.training.dataset,
+        dataset_path=config.training.dataset_path,
+        tokenizer=tokenizer,
+        seq_len=config.training.seq_len,
+        batch_size=config.training.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world,
+        bad_rows=config.training.bad_rows,
+    )
+
+
+def build_checkpointer(
+    config: JobConfig, dims: ParallelDims, *, states: dict, config_toml: str, vocab_size: int
+):
+    """The checkpointer plugin (`checkpoint.checkpointer`) over `states`, or None when the run
+    neither saves nor loads."""
+    ckpt = config.checkpoint
+    if not (ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path):
+        return None
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
+    # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names.
+    spec = resolve(plugins.MODELS, config.model.name)
+    hf_adapter = (
+        spec.hf_adapter(model_args_for(spec, config, vocab_size)) if spec.hf_adapter else None
+    )
+    return factory(
+        ckpt,
+        states=states,
+        dump_folder=config.job.dump_folder,
+        dims=dims,
+        config_toml=config_toml,
+        dp_rank=dp_coordinates(dims)[0],
+        hf_adapter=hf_adapter,
+    )
+
+
+def restore_or_initialise(run: Run) -> None:
+    """The weights come from the newest complete checkpoint (or `initial_load_path`) when there
+    is one; otherwise from the one initialisation, a function of the seed and each parameter's
+    name. Buffers (rotary tables) are always rebuilt."""
+    loaded = None
+    if run.checkpointer is not None and not run.config.checkpoint.create_seed_checkpoint:
+        loaded = run.checkpointer.load(run.config.checkpoint.load_step)
+    run.runtime.init_weights(run.parts, parameters=loaded is None)
+    if loaded:  # step 0 is a seed checkpoint: nothing to resume
+        log.info(
+            "resumed at step %d (%s tokens seen)", run.state.step, f"{run.state.tokens_seen:,}"
+        )
+
+
+def write_seed_checkpoint(run: Run) -> TrainResult:
+    run.checkpointer.save(0, last_step=True)
+    run.checkpointer.close()
+    log.info("seed checkpoint written; start training without --checkpoint.create_seed_checkpoint")
+    return TrainResult(0, 0, [], False)
+
+
+# ----------------------------------------------------------------------------- the steps
+
+
 class _StopRequest:
     """SIGTERM (a scheduler's preemption notice) asks the loop to checkpoint and stop."""
 
@@ -102,249 +330,87 @@ class _StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bfloat16 where the device computes it natively; float32 otherwise."""
-    if name == "float32":
-        return torch.float32
-    if supports_bf16(device):
-        return torch.bfloat16
-    if name == "bfloat16":
-        log.warning(
-            "training.mixed_precision_param = bfloat16, but %s has no native bf16; training in float32",
-            device,
-        )
-    return torch.float32
+@dataclass
+class _Window:
+    """What the metric line of one logging window is computed from."""
+
+    metrics: MetricsLogger
+    timer: StepTimer
+    memory: MemoryMonitor
+    peak_flops: float
+    flops_per_token: float
 
 
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
-def build_model(
-    config: JobConfig,
-    runtime: ParallelRuntime,
-    vocab_size: int,
-    converters: list,
-    stage_io=None,
-) -> list[nn.Module]:
-    """Meta-device build, converters, parallelism; returns this rank's parts, still on the
-    meta device (`runtime.materialize`, then weights from `runtime.init_weights` or a
-    checkpoint)."""
-    spec = resolve(plugins.MODELS, config.model.name)
-    args = model_args_for(spec, config, vocab_size)
-    with torch.device("meta"):
-        model = spec.build(args)
-    for converter in converters:
-        converter.convert(model)
-    if config.model.print_after_conversion:
-        log.info("model after conversion:\n%s", model)
-    return runtime.parallelize(model, stage_io)
-
-
-def train(config: JobConfig) -> TrainResult:
-    device_type = resolve_device_type(config.job.device)
-    info = init_distributed(device_type, config.comm.init_timeout_seconds)
-    try:
-        # Before anything is written: one run per dump folder, and folders that take writes.
-        lock = claim_run_folders(config, info.rank)
-        try:
-            return _train(config, info)
-        finally:
-            if lock is not None:
-                lock.release()
-    finally:
-        destroy_distributed()
-
-
-def _train(config: JobConfig, info) -> TrainResult:
-    device = info.device
-    dims = ParallelDims(
-        world_size=info.world_size,
-        dp_replicate=config.parallelism.data_parallel_replicate_degree,
-        dp_shard=config.parallelism.data_parallel_shard_degree,
-        cp=config.parallelism.context_parallel_degree,
-        tp=config.parallelism.tensor_parallel_degree,
-        pp=config.parallelism.pipeline_parallel_degree,
-        ep=config.parallelism.expert_parallel_degree,
+def run_steps(run: Run) -> TrainResult:
+    """Train from the current step to `training.steps`: each step, then what is due after it
+    (metrics, validation, profiling, checkpoint), until the end or a stop request."""
+    config, state = run.config, run.state
+    accum = accumulation_steps(config, run.dims)
+    peak = peak_flops(
+        run.info.device, run.runtime.dtype, override_tflops=config.metrics.peak_tflops
     )
-    mesh = dims.build_mesh(device.type)
-    seed = config.training.seed if config.training.seed is not None else 0
-    set_seed(seed, mesh, vary_over=(), deterministic=config.training.deterministic)
-    dtype = compute_dtype(config.training.mixed_precision_param, device)
-    log.info(
-        "%s | %d processes on %s | %s | compute %s",
-        config.job.description,
-        info.world_size,
-        device.type,
-        layout_text(dims),
-        dtype,
-    )
-
-    dump = config.job.dump_folder
-    os.makedirs(dump, exist_ok=True)
-    resolved_toml = to_toml(config)
-    if info.rank == 0:
-        with open(os.path.join(dump, "config.toml"), "w") as f:
-            f.write(resolved_toml)
-    if config.job.print_config:
-        log.info("resolved config:\n%s", resolved_toml)
-
-    # Data: one loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches.
-    data = resolve(plugins.DATA, config.training.data_plugin)
-    tokenizer = data.build_tokenizer(config.model.hf_assets_path or config.model.tokenizer_path)
-    dp_rank, dp_world = _dp_coordinates(dims)
-    loader = build_checked_loader(
-        data,
-        dataset=config.training.dataset,
-        dataset_path=config.training.dataset_path,
-        tokenizer=tokenizer,
-        seq_len=config.training.seq_len,
-        batch_size=config.training.local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world,
-        bad_rows=config.training.bad_rows,
-    )
-
-    converters = [
-        resolve(plugins.CONVERTERS, name)(_section(config, name), dims)
-        for name in config.model.converters
-    ]
-    runtime = build_parallel_runtime(config, dims, device, dtype, seed, cross_entropy_loss)
-    model_parts = build_model(config, runtime, tokenizer.vocab_size, converters)
-    problem = state_memory_problem(model_parts, device)
-    if problem:  # before anything is allocated: this job cannot hold its state here
-        raise ConfigError(problem)
-    runtime.materialize(model_parts)
-    optimizer = build_optimizer(model_parts, config.optimizer)
-    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
-    state = TrainState()
-
-    checkpointer = _build_checkpointer(
-        config,
-        dims,
-        model_parts,
-        optimizer,
-        lr_scheduler,
-        loader,
-        state,
-        resolved_toml,
-        dp_rank,
-        tokenizer.vocab_size,
-    )
-    seeding = config.checkpoint.create_seed_checkpoint
-    loaded = None
-    if checkpointer is not None and not seeding:
-        loaded = checkpointer.load(config.checkpoint.load_step)
-    # The one place weights get values, unless a checkpoint already gave them.
-    runtime.init_weights(model_parts, parameters=loaded is None)
-    if checkpointer is not None and seeding:
-        checkpointer.save(0, last_step=True)
-        checkpointer.close()
-        log.info(
-            "seed checkpoint written; start training without --checkpoint.create_seed_checkpoint"
-        )
-        return TrainResult(0, 0, [], False)
-    if loaded:  # step 0 is a seed checkpoint: nothing to resume
-        log.info("resumed at step %d (%s tokens seen)", state.step, f"{state.tokens_seen:,}")
-
-    accum = _accumulation_steps(config, dims)
-    flops_per_token = runtime.flops_per_token
-    peak = peak_flops(device, dtype, override_tflops=config.metrics.peak_tflops)
     log.info("peak %s; %d microbatch(es) per step", peak.describe(), accum)
-    metrics = MetricsLogger(
-        dump, config.metrics.save_tb_folder, config.metrics.enable_tensorboard, info.rank
+    window = _Window(
+        MetricsLogger(
+            run.dump,
+            config.metrics.save_tb_folder,
+            config.metrics.enable_tensorboard,
+            run.info.rank,
+            enable_wandb=config.metrics.enable_wandb,
+            run_name=config.job.description,
+            run_config=config_to_dict(config),
+        ),
+        StepTimer(),
+        MemoryMonitor(run.info.device),
+        peak.flops,
+        run.runtime.flops_per_token,
     )
-    memory = MemoryMonitor(device)
-
-    batches = iter(loader)
-    tokens_per_step_per_dp = config.training.local_batch_size * config.training.seq_len * accum
-    timer = StepTimer()
+    validator = build_validator(run) if config.validation.enable else None
+    guard = StepGuard(run.optimizer)
+    batches = iter(run.loader)
+    tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
     start_step = state.step
     stopped_early = False
-    validator = (
-        Validator(
-            config.validation,
-            data,
-            tokenizer,
-            dp_rank,
-            dp_world,
-            config.training.seq_len,
-            config.training.bad_rows,
-        )
-        if config.validation.enable
-        else None
-    )
-    guard = StepGuard(optimizer)
     gc.disable()
     try:
         with (
+            report_collective_failures(
+                config.comm, run.dump, run.info.rank, started=lambda: state.step > start_step + 1
+            ),
             _StopRequest() as stop,
-            maybe_profile(config.profiling, dump, info.rank, state.step) as profile_step,
-            maybe_memory_snapshot(config.profiling, dump, info.rank),
+            maybe_profile(config.profiling, run.dump, run.info.rank, state.step) as profile_step,
+            maybe_memory_snapshot(config.profiling, run.dump, run.info.rank),
         ):
             while state.step < config.training.steps:
                 state.step += 1
-                loss, grad_norm = train_step(
-                    runtime,
-                    model_parts,
-                    optimizer,
-                    batches,
-                    accum,
-                    timer,
-                    config,
-                    guard,
-                    state.step,
-                )
-                lr_scheduler.step()
-                for converter in converters:
-                    for part in model_parts:
+                train_step(
+                    run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
+                    guard, state.step,
+                )  # fmt: skip
+                run.lr_scheduler.step()
+                if state.step == start_step + 1:  # compiled and warmed up: the tight timeout
+                    start_training_timeout(config.comm, state.step)
+                for converter in run.converters:
+                    for part in run.parts:
                         converter.post_optimizer_hook(part)
-                state.tokens_seen += tokens_per_step_per_dp * dims.dp_degree
-                timer.tokens += tokens_per_step_per_dp
-                timer.steps += 1
+                state.tokens_seen += tokens_per_step * run.dims.dp_degree
+                window.timer.tokens += tokens_per_step
+                window.timer.steps += 1
                 last = state.step == config.training.steps
                 if (
                     state.step % config.metrics.log_freq == 0
                     or state.step == start_step + 1
                     or last
                 ):
-                    # The one read-back of the step's values; raises if a step was not finite.
-                    rows = guard.read()
-                    state.losses.extend(row[1] for row in rows)
-                    _, loss, grad_norm = rows[-1]
-                    window = _window_metrics(
-                        timer, loss, grad_norm, optimizer, dims, flops_per_token, peak.flops, memory
-                    )
-                    window["skipped_rows"] = skipped_rows_total(loader, dims.mesh("dp"), device)
-                    metrics.log(state.step, window)
-                    timer.reset()
+                    log_window(run, window, guard)
                 if validator is not None and (validator.due(state.step) or last):
-                    val_loss = validator.run(runtime, model_parts)
-                    log.info("step %4d | validation loss %.4f", state.step, val_loss)
-                    metrics.log_scalars(state.step, {"validation_loss": val_loss})
-                    timer.reset()
+                    validate(run, window, validator)
                 if profile_step is not None:
                     profile_step()
-                saving = checkpointer is not None and config.checkpoint.enable
                 if stop.requested:
                     state.losses.extend(row[1] for row in guard.read())
-                    if saving:
-                        log.warning(
-                            "SIGTERM: saving a full checkpoint at step %d and stopping", state.step
-                        )
-                    else:
-                        log.warning(
-                            "SIGTERM: stopping at step %d without a checkpoint "
-                            "(checkpoint.enable is false)",
-                            state.step,
-                        )
                     stopped_early = True
-                if saving:
-                    # A preemption save is a full, resumable one, never the last step's export;
-                    # `force` goes only to a save that needs it (older checkpointers lack it).
-                    forced = {"force": True} if stopped_early and not last else {}
-                    checkpointer.save(state.step, last_step=last, **forced)
+                save_if_due(run, last=last, preempted=stopped_early)
                 if stopped_early:
                     break
                 if state.step % config.training.gc_freq == 0:
@@ -357,9 +423,9 @@ def _train(config: JobConfig, info) -> TrainResult:
         stopped_early = True
     finally:
         gc.enable()
-        if checkpointer is not None:
-            checkpointer.close()
-        metrics.close()
+        if run.checkpointer is not None:
+            run.checkpointer.close()
+        window.metrics.close()
     return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
 
 
@@ -393,26 +459,80 @@ def train_step(
     return loss, grad_norm
 
 
-def _window_metrics(
-    timer: StepTimer, loss, grad_norm, optimizer, dims: ParallelDims, flops_per_token, peak, memory
+def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
+    """One metric line for the steps since the last one: the one read-back of their values
+    (it raises if a step was not finite)."""
+    rows = guard.read()
+    run.state.losses.extend(row[1] for row in rows)
+    _, loss, grad_norm = rows[-1]
+    values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
+    values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
+    window.metrics.log(run.state.step, values)
+    window.timer.reset()
+
+
+def build_validator(run: Run) -> Validator:
+    dp_rank, dp_world = dp_coordinates(run.dims)
+    return Validator(
+        run.config.validation,
+        run.data,
+        run.tokenizer,
+        dp_rank,
+        dp_world,
+        run.config.training.seq_len,
+        run.config.training.bad_rows,
+    )
+
+
+def validate(run: Run, window: _Window, validator: Validator) -> None:
+    loss = validator.run(run.runtime, run.parts)
+    log.info("step %4d | validation loss %.4f", run.state.step, loss)
+    window.metrics.log_scalars(run.state.step, {"validation_loss": loss})
+    window.timer.reset()  # validation time is not training throughput
+
+
+def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
+    """The checkpointer decides whether a step is due; a preemption save is a full, resumable
+    one, never the last step's export."""
+    saving = run.checkpointer is not None and run.config.checkpoint.enable
+    if preempted:
+        if saving:
+            log.warning("SIGTERM: saving a full checkpoint at step %d and stopping", run.state.step)
+        else:
+            log.warning(
+                "SIGTERM: stopping at step %d without a checkpoint (checkpoint.enable is false)",
+                run.state.step,
+            )
+    if saving:
+        # `force` goes only to a save that needs it (older checkpointers lack it).
+        forced = {"force": True} if preempted and not last else {}
+        run.checkpointer.save(run.state.step, last_step=last, **forced)
+
+
+def window_metrics(
+    window: _Window, loss, grad_norm, optimizer, dims: ParallelDims
 ) -> dict[str, float]:
+    timer = window.timer
     elapsed = time.perf_counter() - timer.window_start
     # A TP/CP/PP group shares the work on one data-parallel rank's tokens.
     tokens_per_s = timer.tokens / elapsed / (dims.tp * dims.cp * dims.pp)
-    flops = flops_per_token * tokens_per_s
-    stats = memory.stats()
-    memory.reset_peak()
+    flops = window.flops_per_token * tokens_per_s
+    stats = window.memory.stats()
+    window.memory.reset_peak()
     return {
         "loss": loss,
         "grad_norm": grad_norm,
         "lr": optimizer.param_groups[0]["lr"],
         "tokens_per_s": tokens_per_s,
         "tflops": flops / 1e12,
-        "mfu_pct": 100.0 * flops / peak,
+        "mfu_pct": 100.0 * flops / window.peak_flops,
         "mem_peak_gib": stats.peak_gib,
         "step_time_s": elapsed / max(timer.steps, 1),
         "data_pct": 100.0 * timer.data_seconds / elapsed,
     }
+
+
+# ----------------------------------------------------------------------------- small helpers
 
 
 def layout_text(dims: ParallelDims) -> str:
@@ -425,19 +545,20 @@ def layout_text(dims: ParallelDims) -> str:
     return " x ".join(parts) or "single process"
 
 
-def _dp_coordinates(dims: ParallelDims) -> tuple[int, int]:
+def dp_coordinates(dims: ParallelDims) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel degree)."""
     mesh = dims.mesh("dp")
     return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
 
 
-def _accumulation_steps(config: JobConfig, dims: ParallelDims) -> int:
-    per_step = config.training.local_batch_size * dims.dp_degree
+def accumulation_steps(config: JobConfig, dims: ParallelDims) -> int:
+    """Microbatches per optimizer step that `training.global_batch_size` asks for."""
     if config.training.global_batch_size == -1:
         return 1
-    return config.training.global_batch_size // per_step
+    return config.training.global_batch_size // (config.training.local_batch_size * dims.dp_degree)
 
 
-def _section(config: JobConfig, dotted: str):
+def config_section(config: JobConfig, dotted: str):
     """The config section named like a converter (`quantize.linear.float8`), or None."""
     node: Any = config
     for part in dotted.split("."):
@@ -445,41 +566,3 @@ def _section(config: JobConfig, dotted: str):
         if node is None:
             return None
     return node
-
-
-def _build_checkpointer(
-    config,
-    dims,
-    model_parts,
-    optimizer,
-    lr_scheduler,
-    loader,
-    state,
-    resolved_toml,
-    dp_rank,
-    vocab_size,
-):
-    ckpt = config.checkpoint
-    if not (ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path):
-        return None
-    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names.
-    spec = resolve(plugins.MODELS, config.model.name)
-    hf_adapter = (
-        spec.hf_adapter(model_args_for(spec, config, vocab_size)) if spec.hf_adapter else None
-    )
-    return factory(
-        ckpt,
-        states={
-            "model": model_parts,
-            "optimizer": optimizer,
-            "lr_scheduler": lr_scheduler,
-            "dataloader": loader,
-            "train_state": state,
-        },
-        dump_folder=config.job.dump_folder,
-        dims=dims,
-        config_toml=resolved_toml,
-        dp_rank=dp_rank,
-        hf_adapter=hf_adapter,
-    )

@@ -14,23 +14,33 @@ from typing import Any
 
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
+# Pinned memory and non-blocking copies only exist with an accelerator to copy from.
+PINNED = StagingOptions(
+    use_pinned_memory=True,
+    use_shared_memory=False,
+    use_async_staging=True,
+    use_non_blocking_copy=True,
+)
+PLAIN = StagingOptions(
+    use_pinned_memory=False,
+    use_shared_memory=False,
+    use_async_staging=False,
+    use_non_blocking_copy=False,
+)
+
 
 def build_stager(mode: str, background: bool) -> AsyncStager:
     """The stager for an async mode: pinned + non-blocking on CUDA, plain CPU memory otherwise."""
     if mode == "async_with_pinned_mem":
-        return DefaultStager(StagingOptions(True, False, True, True))
-    return (
-        BackgroundStager()
-        if background
-        else DefaultStager(StagingOptions(False, False, False, False))
-    )
+        return DefaultStager(PINNED)
+    return BackgroundStager() if background else DefaultStager(PLAIN)
 
 
 class BackgroundStager(AsyncStager):
     _synchronize_after_execute = False
 
     def __init__(self) -> None:
-        self._copier = DefaultStager(StagingOptions(False, False, False, False))
+        self._copier = DefaultStager(PLAIN)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-ckpt-stage")
 
     def stage(self, state_dict: dict[str, Any]) -> Future:

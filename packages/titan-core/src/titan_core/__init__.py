@@ -26,7 +26,9 @@ from titan_core.distributed import (
     DistInfo,
     any_rank,
     destroy_distributed,
+    dump_flight_recorder,
     init_distributed,
+    set_collective_timeout,
     world_size_from_env,
 )
 from titan_core.flops import (
@@ -101,6 +103,7 @@ __all__ = [
     "config_to_dict",
     "cpu_peak_bound",
     "destroy_distributed",
+    "dump_flight_recorder",
     "device_name",
     "field_docs",
     "get_logger",
@@ -116,6 +119,7 @@ __all__ = [
     "render_help",
     "resolve",
     "resolve_device_type",
+    "set_collective_timeout",
     "set_seed",
     "supports_bf16",
     "to_toml",

@@ -21,13 +21,33 @@ class DistInfo:
     backend: str
 
 
-def init_distributed(device_type: str, timeout_seconds: float = 300.0) -> DistInfo:
+def init_distributed(
+    device_type: str,
+    timeout_seconds: float = 300.0,
+    *,
+    trace_buf_size: int | None = None,
+    trace_dir: str | os.PathLike | None = None,
+) -> DistInfo:
     """Initialise the default process group for `device_type`.
 
     Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) this joins the job. Started as a plain
     `python` process, it creates a one-process group over an in-memory store, so that code
     written for meshes and DTensors runs unchanged on one process.
+
+    `timeout_seconds` bounds every collective until `set_collective_timeout` changes it.
+    `trace_buf_size` sizes PyTorch's flight recorder (the last N collectives of every group,
+    for `dump_flight_recorder`; 0 turns it off); None leaves torch's own setting (its
+    `TORCH_FR_BUFFER_SIZE` variable) alone. With `trace_dir`, NCCL's watchdog writes each
+    rank's trace there when a collective times out (`rank_<n>` files). An explicit variable in
+    the environment wins.
     """
+    if trace_buf_size is not None and not dist.is_initialized():
+        # Read by torch when each process group is created, so they must be set before.
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+        if trace_dir is not None and trace_buf_size > 0:
+            os.makedirs(trace_dir, exist_ok=True)
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(str(trace_dir), "rank_"))
     backend = backend_for(device_type)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -41,6 +61,40 @@ def init_distributed(device_type: str, timeout_seconds: float = 300.0) -> DistIn
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, backend)
+
+
+def set_collective_timeout(seconds: float) -> int:
+    """Make every existing process group (the default one, every mesh's) give up on a
+    collective after `seconds`: a rank that stalls or dies then ends the job with an error
+    instead of leaving the others waiting forever. Returns the number of groups changed."""
+    if not dist.is_initialized():
+        return 0
+    timeout = timedelta(seconds=seconds)
+    groups = list(dist.distributed_c10d._world.pg_map)
+    for group in groups:
+        dist.set_timeout(timeout, group)
+    return len(groups)
+
+
+def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> str | None:
+    """Write this rank's flight-recorder trace (its last collectives, see `init_distributed`'s
+    `trace_buf_size`) to `<folder>/rank_<rank>`, the layout PyTorch's analyzer reads
+    (`python -m torch.distributed.flight_recorder.fr_trace <folder>`). Returns the path, or
+    None when there is nothing to write."""
+    if not dist.is_initialized():
+        return None
+    backend = str(dist.get_backend()).split(":")[-1]
+    try:
+        trace = torch._C._distributed_c10d._dump_fr_trace(True, True, False, backend)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    if not trace:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank_{rank}")
+    with open(path, "wb") as f:
+        f.write(trace)
+    return path
 
 
 def _device_id(device: torch.device) -> torch.device | None:

@@ -26,11 +26,11 @@ class Comm:
     """`fake_backend`: do not train; simulate the job on a fake process group and fake tensors
     and report per-rank memory (the same as `titan-train --dry-run`; torchtitan's spelling)."""
     init_timeout_seconds: int = 300
-    """Timeout for process-group initialisation and the first collectives."""
+    """Timeout for process-group set-up and every collective until the first step is done (it may compile)."""
     train_timeout_seconds: int = 100
-    """Timeout for collectives once training runs (a hang becomes an error after this)."""
+    """Timeout for every collective after the first step: a rank that stalls or dies ends the job with an error after this many seconds instead of a hang."""
     trace_buf_size: int = 20000
-    """Flight-recorder ring size for NCCL collective traces (0 turns it off)."""
+    """Collectives each rank's flight recorder keeps (0 turns it off); written to the dump folder's comm_traces/ when a collective times out."""
 
     def validate(self) -> list[str]:
         problems = []

@@ -1,7 +1,8 @@
 """titan-parallel: apply FSDP2/HSDP/DDP, tensor parallel (with sequence and loss parallel),
-activation checkpointing and torch.compile to a block-structured model, and the distributed
-utilities a training loop needs with them (global gradient clipping, metric reduction, exact
-initialisation under sharding)."""
+pipeline and context parallel, activation checkpointing and torch.compile to a block-structured
+model; the distributed utilities a training loop needs with them (global gradient clipping,
+metric reduction, exact initialisation under sharding); and per-rank memory estimates of any
+layout at full size on fake process groups and fake tensors."""
 
 import importlib.metadata
 
@@ -12,6 +13,14 @@ from titan_parallel.config import (
     Compile,
     Parallelism,
     check_parallelize_config,
+)
+from titan_parallel.context_parallel import (
+    SUPPORTED_TORCH,
+    check_cp_seq_len,
+    check_cp_support,
+    cp_context,
+    cp_unshard,
+    enable_cpu_ring_attention,
 )
 from titan_parallel.data_parallel import (
     apply_ddp,
@@ -31,7 +40,26 @@ from titan_parallel.memory_estimate import (
     resident_bytes,
 )
 from titan_parallel.parallelize import parallelize
-from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, loss_context
+from titan_parallel.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    PipelinePlan,
+    StageIO,
+    broadcast_pipeline_loss,
+    build_pipeline,
+    infer_stage_io,
+    plan_pipeline,
+    pp_total_norm,
+    schedule_name,
+)
+from titan_parallel.pipeline_split import (
+    build_stage_modules,
+    check_ties_within_stages,
+    split_balanced,
+    split_by_layers,
+    validate_split_points,
+)
+from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, copy_block_inputs, loss_context
 from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
 
 __version__ = importlib.metadata.version("titan-parallel")  # the pyproject's version, one source
@@ -58,6 +86,7 @@ __all__ = [
     "check_tp_plan",
     "clip_grad_norm_",
     "compile_loss",
+    "copy_block_inputs",
     "dist_max",
     "dist_mean",
     "dist_sum",
@@ -68,37 +97,6 @@ __all__ = [
     "resolve_reshard_after_forward",
     "tied_parameter_groups",
     "total_grad_norm",
-]
-
-# Pipeline and context parallel (kept as a separate block so the two parts can be merged freely).
-from titan_parallel.context_parallel import (  # noqa: E402
-    SUPPORTED_TORCH,
-    check_cp_seq_len,
-    cp_context,
-    cp_unshard,
-    enable_cpu_ring_attention,
-)
-from titan_parallel.pipeline import (  # noqa: E402
-    SCHEDULES,
-    Pipeline,
-    PipelinePlan,
-    StageIO,
-    broadcast_pipeline_loss,
-    build_pipeline,
-    infer_stage_io,
-    plan_pipeline,
-    pp_total_norm,
-    schedule_name,
-)
-from titan_parallel.pipeline_split import (  # noqa: E402
-    build_stage_modules,
-    check_ties_within_stages,
-    split_balanced,
-    split_by_layers,
-    validate_split_points,
-)
-
-__all__ += [
     "SCHEDULES",
     "SUPPORTED_TORCH",
     "Pipeline",
@@ -111,6 +109,7 @@ __all__ += [
     "build_pipeline",
     "build_stage_modules",
     "check_cp_seq_len",
+    "check_cp_support",
     "check_ties_within_stages",
     "cp_context",
     "cp_unshard",

@@ -1,0 +1,84 @@
+"""Collectives that never hang a job: the timeouts of `[comm]` and what a failed collective
+leaves behind.
+
+Until the first step is done (it may compile for minutes) collectives get
+`comm.init_timeout_seconds`; after it, `comm.train_timeout_seconds`. A rank that stalls or dies
+then ends the job with one message naming the timeout, and each surviving rank writes its
+flight-recorder trace (its last `comm.trace_buf_size` collectives) to
+`<dump_folder>/comm_traces/rank_<n>`, which PyTorch's analyzer reads:
+
+    python -m torch.distributed.flight_recorder.fr_trace <dump_folder>/comm_traces
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+from titan_core import dump_flight_recorder, get_logger, set_collective_timeout
+
+log = get_logger("comm")
+
+# How the backends word a collective that did not complete.
+_TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+class CollectiveError(RuntimeError):
+    """A collective timed out or lost a peer: printed as one message, no traceback."""
+
+
+def trace_folder(dump_folder: str) -> str:
+    return os.path.join(dump_folder, "comm_traces")
+
+
+def start_training_timeout(comm, step: int) -> None:
+    """After the first step: collectives of every group time out after train_timeout_seconds."""
+    groups = set_collective_timeout(comm.train_timeout_seconds)
+    log.info(
+        "step %d done: collectives now time out after %d s ([comm] train_timeout_seconds, %d groups)",
+        step,
+        comm.train_timeout_seconds,
+        groups,
+    )
+
+
+@contextlib.contextmanager
+def report_collective_failures(
+    comm, dump_folder: str, rank: int, started: Callable[[], bool]
+) -> Iterator[None]:
+    """Turn a timed-out or broken collective into a `CollectiveError` that says what happened
+    and where this rank's flight-recorder trace went."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError is one too
+        text = str(e)
+        timed_out = any(p in text for p in _TIMED_OUT)
+        if not (timed_out or any(p in text for p in _PEER_GONE)):
+            raise
+        path = (
+            dump_flight_recorder(trace_folder(dump_folder), rank) if comm.trace_buf_size else None
+        )
+        seconds, key = (
+            (comm.train_timeout_seconds, "train_timeout_seconds")
+            if started()
+            else (comm.init_timeout_seconds, "init_timeout_seconds")
+        )
+        what = (
+            f"a collective did not complete within {seconds} s ([comm] {key}) on rank {rank}:"
+            " another rank stalled or died"
+            if timed_out
+            else f"rank {rank} lost a peer during a collective: another rank died"
+        )
+        trace = (
+            f"\nthis rank's last collectives: {path}"
+            f" (python -m torch.distributed.flight_recorder.fr_trace {trace_folder(dump_folder)})"
+            if path
+            else ""
+        )
+        raise CollectiveError(
+            f"{what}; its log says why\n"
+            f"{'raise [comm] ' + key + ' if that rank is only slow; ' if timed_out else ''}"
+            f"the last complete checkpoint is the one to resume from{trace}"
+        ) from e

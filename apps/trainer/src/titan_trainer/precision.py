@@ -1,0 +1,34 @@
+"""Which dtypes the run computes and reduces in: the one place the config's dtype names map to
+torch dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+from titan_core import get_logger, supports_bf16
+
+log = get_logger("precision")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""[training] mixed_precision_param / mixed_precision_reduce names -> torch dtypes."""
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for `training.mixed_precision_param` on `device`: bfloat16 where the
+    device computes it natively (`auto`, `bfloat16`), float32 otherwise (with a warning when
+    bfloat16 was asked for)."""
+    if name == "float32":
+        return torch.float32
+    if supports_bf16(device):
+        return torch.bfloat16
+    if name == "bfloat16":
+        log.warning(
+            "training.mixed_precision_param = bfloat16, but %s has no native bf16; training in float32",
+            device,
+        )
+    return torch.float32
+
+
+def target_compute_dtype(name: str) -> torch.dtype:
+    """The compute dtype on the GPUs a job is planned for (they all compute bfloat16)."""
+    return torch.float32 if name == "float32" else torch.bfloat16

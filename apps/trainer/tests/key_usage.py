@@ -1,0 +1,196 @@
+"""Which config keys the trainer reads while it runs: `python key_usage.py OUT.json WORK_DIR`.
+
+Every section of the loaded config is given a subclass that records each field read. Recording
+starts after loading and checking (validation reads keys that may do nothing), then covers
+three runs in this process: a short training run with every optional feature on, a resume of
+it from an initial checkpoint, and a dry run with suggestions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+READ: set[str] = set()
+PAUSED = [0]  # reads while the whole config is dumped (to TOML, to a dict) do not count
+
+
+def track(config, path: tuple[str, ...] = ()) -> None:
+    """Record reads of every field of every section of `config`, in place."""
+    names = {f.name for f in dataclasses.fields(config)}
+    prefix = ".".join(path)
+
+    base = type(config)
+
+    class Tracked(base):
+        def __getattribute__(self, name):
+            if name in names and not PAUSED[0]:
+                READ.add(f"{prefix}.{name}" if prefix else name)
+            return super().__getattribute__(name)
+
+        def __reduce_ex__(self, protocol):
+            # Copies and pickles (the dry run sends the config to other processes) are plain.
+            return _plain, (base, dict(object.__getattribute__(self, "__dict__")))
+
+    Tracked.__name__ = type(config).__name__
+    for f in dataclasses.fields(config):
+        value = object.__getattribute__(config, f.name)
+        if dataclasses.is_dataclass(value):
+            track(value, (*path, f.name))
+    config.__class__ = Tracked
+
+
+def _plain(cls, state: dict):
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def paused(fn):
+    def wrapper(*args, **kwargs):
+        PAUSED[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PAUSED[0] -= 1
+
+    return wrapper
+
+
+def main(out: str, work: str) -> None:
+    from titan_core import init_logging, load_config
+    from titan_trainer import train as train_module
+    from titan_trainer.checks import preflight_problems
+    from titan_trainer.config import JobConfig
+    from titan_trainer.dry_run import dry_run
+    from titan_trainer.shipped import find_config_file
+    from titan_trainer.train import train
+
+    # Writing the resolved config reads every key; that is not using them.
+    train_module.to_toml = paused(train_module.to_toml)
+    train_module.config_to_dict = paused(train_module.config_to_dict)
+    init_logging()
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    common = [
+        "--job.config_file",
+        "debug_model",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+    ]
+    everything = [
+        *common,
+        "--job.dump_folder",
+        f"{work}/a",
+        "--job.print_config",
+        "--model.converters",
+        "quantize.linear.float8",
+        "--quantize.linear.float8.emulate",
+        "--quantize.linear.float8.auto_filter_small_kn",
+        "--model.print_after_conversion",
+        "--optimizer.implementation",
+        "foreach",
+        "--training.steps",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--training.gc_freq",
+        "1",
+        "--training.seed",
+        "3",
+        "--training.bad_rows",
+        "skip",
+        "--lr_scheduler.decay_ratio",
+        "0.5",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "2",
+        "--activation_checkpoint.preserve_rng_state",
+        "--compile.enable",
+        "--compile.components",
+        "loss",
+        "--compile.backend",
+        "aot_eager",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_latest_k",
+        "1",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.async_executor",
+        "thread",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        "--validation.enable",
+        "--validation.freq",
+        "1",
+        "--validation.steps",
+        "1",
+        "--validation.local_batch_size",
+        "2",
+        "--profiling.enable_profiling",
+        "--profiling.profile_freq",
+        "1",
+        "--profiling.enable_memory_snapshot",
+        "--metrics.enable_wandb",
+        "--metrics.peak_tflops",
+        "1",
+    ]
+    runs = [
+        everything,
+        [
+            *common,
+            "--job.dump_folder",
+            f"{work}/b",
+            "--training.steps",
+            "1",
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_path",
+            f"{work}/a/checkpoint/step-2",
+            "--checkpoint.initial_load_model_only",
+            "false",
+            "--checkpoint.exclude_from_loading",
+            "dataloader",
+            "--metrics.enable_tensorboard",
+            "false",
+        ],
+    ]
+    for args in runs:
+        config = load_config(JobConfig, args, find_config_file=find_config_file)
+        problems, _, _ = preflight_problems(config, 1)
+        assert not problems, problems
+        track(config)
+        train(config)
+    config = load_config(
+        JobConfig,
+        [
+            *common,
+            "--job.dump_folder",
+            f"{work}/c",
+            "--comm.mode",
+            "fake_backend",
+            "--dry_run.device_memory_gib",
+            "0.01",
+            "--dry_run.headroom_gib",
+            "0",
+            "--dry_run.all_ranks",
+            "--dry_run.suggest",
+            "false",
+        ],
+        find_config_file=find_config_file,
+    )
+    track(config)
+    dry_run(config, out=lambda text: None)
+    with open(out, "w") as f:
+        json.dump(sorted(READ), f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

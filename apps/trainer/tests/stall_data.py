@@ -1,0 +1,36 @@
+"""A data package (named in the config as `stall_data:data_spec`) whose loader, on one rank, stops
+for a long time before one batch: the way a slow file system or a stuck reader looks to a run.
+Configured by environment: STALL_RANK, STALL_AT (batch index), STALL_SECONDS."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from titan_core import DataSpec
+from titan_data import build_dataloader, load_tokenizer
+
+
+class StallingLoader:
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    def __iter__(self):
+        for i, batch in enumerate(self.inner):
+            if self.rank == int(os.environ["STALL_RANK"]) and i == int(os.environ["STALL_AT"]):
+                time.sleep(float(os.environ["STALL_SECONDS"]))
+            yield batch
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def _build(**kwargs):
+    return StallingLoader(build_dataloader(**kwargs))
+
+
+data_spec = DataSpec(name="stall", build_tokenizer=load_tokenizer, build_dataloader=_build)
