@@ -5,6 +5,8 @@ trace, instead of a hang."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,14 +55,22 @@ def test_a_stalled_rank_ends_the_job_within_the_training_timeout(tmp_path):
         "a collective did not complete within 5 s ([comm] train_timeout_seconds) on rank 0" in out
     ), out[-3000:]
     assert "step    2 |" in result.stdout and "step    3 |" not in result.stdout
-    trace = tmp_path / "comm_traces" / "rank_0"
-    assert trace.is_file(), out[-3000:]
-    entries = pickle.loads(trace.read_bytes())["entries"]
+    traces = tmp_path / "comm_traces"
+    entries = pickle.loads((traces / "rank_0").read_bytes())["entries"]
     # the last 50 collectives at most, and the one that timed out is among them
     assert 0 < len(entries) <= 50
-    assert any(e.get("state") != "completed" for e in entries), [
-        e.get("state") for e in entries[-3:]
-    ]
+    assert any(e.get("state") != "completed" for e in entries), entries[-1]
+    # The stalled rank wrote its trace when torchrun stopped it; PyTorch's analyzer, run as the
+    # README shows, names it as the rank that never joined the collective.
+    assert (traces / "rank_1").is_file()
+    analysis = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(traces)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = analysis.stdout + analysis.stderr  # the analyzer logs its findings to stderr
+    assert "missing ranks: {1}" in report, report[-3000:]
 
 
 def test_the_flight_recorder_is_off_with_a_zero_buffer(tmp_path):

@@ -76,10 +76,10 @@ def test_cp_buffers_come_from_the_model_and_are_checked():
 
 
 def test_llama_declares_its_rope_table_for_context_parallel():
-    from titan_core.protocols import ParallelizableModel
+    from titan_core.protocols import parallelizable_problems
     from titan_models.llama3 import Transformer, llama3_flavors
 
     with torch.device("meta"):
         model = Transformer(llama3_flavors["debugmodel"])
-    assert isinstance(model, ParallelizableModel)
+    assert parallelizable_problems(model) == []
     assert _cp_buffers(model) == {"rope_cache": 0}

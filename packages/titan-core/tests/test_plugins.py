@@ -46,3 +46,27 @@ def test_bad_import_paths_say_what_failed():
         resolve("titan.data", "no_such_module:thing")
     with pytest.raises(PluginError, match="has no attribute 'nothing'"):
         resolve("titan.data", "titan_core:nothing")
+
+
+def test_parallelizable_problems_names_what_a_model_lacks():
+    from torch import nn
+
+    from titan_core import parallelizable_problems
+
+    class Partial(nn.Module):
+        pre_blocks = ("embed",)
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": nn.Linear(2, 2)})
+
+        def tp_plan(self):
+            return None
+
+    assert parallelizable_problems(Partial()) == [
+        "`post_blocks` is not a tuple of module names",
+        "`cp_buffers()` is missing",
+        "`init_weights()` is missing",
+        "`flops_per_token()` is missing",
+    ]
+    assert parallelizable_problems(nn.Linear(2, 2))[0].startswith("`layers`")

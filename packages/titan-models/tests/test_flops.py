@@ -18,6 +18,12 @@ def test_flops_per_token_matches_flop_counter_on_forward_and_backward():
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     measured = counter.get_total_flops()
     predicted = model.flops_per_token(seq_len) * batch * seq_len
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len * batch * seq_len
+    if not any("attention" in str(op) for op in counter.get_flop_counts()["Global"]):
+        # torch 2.13's counter has no formula for the CPU attention kernel: what it does count
+        # (every matmul, forward and backward) must then be exactly the rest of the model FLOPs.
+        assert measured == predicted - attention
+        return
     assert measured == pytest.approx(predicted, rel=0.05)
     # The only difference is flash attention's backward recomputing q @ k^T, which the counter
     # includes and model FLOPs do not (see flops.py).

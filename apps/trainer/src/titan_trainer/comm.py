@@ -5,9 +5,12 @@ Until the first step is done (it may compile for minutes) collectives get
 `comm.init_timeout_seconds`; after it, `comm.train_timeout_seconds`. A rank that stalls or dies
 then ends the job with one message naming the timeout, and each surviving rank writes its
 flight-recorder trace (its last `comm.trace_buf_size` collectives) to
-`<dump_folder>/comm_traces/rank_<n>`, which PyTorch's analyzer reads:
+`<dump_folder>/comm_traces/rank_<n>` (a rank stopped by torchrun, which sends SIGTERM to the
+others once one fails, writes its own too), which PyTorch's analyzer reads:
 
     python -m torch.distributed.flight_recorder.fr_trace <dump_folder>/comm_traces
+
+(add `--allow-incomplete-ranks` when a rank died without writing one).
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ class CollectiveError(RuntimeError):
 
 def trace_folder(dump_folder: str) -> str:
     return os.path.join(dump_folder, "comm_traces")
+
+
+def dump_trace(config, dump_folder: str, rank: int) -> str | None:
+    """This rank's flight-recorder trace into the dump folder's comm_traces/ (when it is on)."""
+    if not config.comm.trace_buf_size:
+        return None
+    return dump_flight_recorder(trace_folder(dump_folder), rank)
 
 
 def start_training_timeout(comm, step: int) -> None:

@@ -41,7 +41,12 @@ from titan_core import (
 )
 from titan_core.distributed import destroy_distributed
 from titan_trainer.checks import model_args_for, parallel_dims_for, state_memory_problem
-from titan_trainer.comm import report_collective_failures, start_training_timeout, trace_folder
+from titan_trainer.comm import (
+    dump_trace,
+    report_collective_failures,
+    start_training_timeout,
+    trace_folder,
+)
 from titan_trainer.config import JobConfig
 from titan_trainer.guards import (
     StepGuard,
@@ -309,11 +314,14 @@ def write_seed_checkpoint(run: Run) -> TrainResult:
 
 
 class _StopRequest:
-    """SIGTERM (a scheduler's preemption notice) asks the loop to checkpoint and stop."""
+    """SIGTERM (a scheduler's preemption notice, or torchrun stopping the ranks after one
+    failed) asks the loop to checkpoint and stop. This rank's flight-recorder trace is written
+    at once too: a rank stuck outside a collective would otherwise leave none."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_signal=None) -> None:
         self.requested = False
         self._previous = None
+        self._on_signal = on_signal
 
     def __enter__(self) -> _StopRequest:
         try:
@@ -324,6 +332,8 @@ class _StopRequest:
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        if self._on_signal is not None:
+            self._on_signal()
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
@@ -377,7 +387,7 @@ def run_steps(run: Run) -> TrainResult:
             report_collective_failures(
                 config.comm, run.dump, run.info.rank, started=lambda: state.step > start_step + 1
             ),
-            _StopRequest() as stop,
+            _StopRequest(on_signal=lambda: dump_trace(config, run.dump, run.info.rank)) as stop,
             maybe_profile(config.profiling, run.dump, run.info.rank, state.step) as profile_step,
             maybe_memory_snapshot(config.profiling, run.dump, run.info.rank),
         ):

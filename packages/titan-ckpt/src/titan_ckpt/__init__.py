@@ -16,11 +16,13 @@ from titan_ckpt.hf import export_hf, import_hf, read_safetensors
 from titan_ckpt.layout import list_checkpoints
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
+from titan_ckpt.preflight import check_loadable
 from titan_ckpt.safe_read import UnsafeCheckpointError
 
 __version__ = importlib.metadata.version("titan-ckpt")  # the pyproject's version, one source
 
 __all__ = [
+    "check_loadable",
     "Checkpoint",
     "CheckpointLoadError",
     "CheckpointManager",

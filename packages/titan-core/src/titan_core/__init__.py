@@ -59,6 +59,7 @@ from titan_core.protocols import (
     Tokenizer,
     TPPlan,
     TPStyle,
+    parallelizable_problems,
 )
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 from titan_core.sections import Comm, Job
@@ -115,6 +116,7 @@ __all__ = [
     "lookup_peak_flops",
     "measure_matmul_flops",
     "peak_cache_file",
+    "parallelizable_problems",
     "peak_flops",
     "render_help",
     "resolve",

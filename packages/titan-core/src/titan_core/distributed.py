@@ -93,8 +93,29 @@ def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> str | None:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank_{rank}")
     with open(path, "wb") as f:
-        f.write(trace)
+        f.write(_with_group_config(trace))
     return path
+
+
+def _with_group_config(trace: bytes) -> bytes:
+    """The trace with every process group it mentions described in its `pg_config` (name,
+    description, global ranks), which the analyzer needs; gloo's recorder leaves it empty."""
+    import pickle
+
+    data = pickle.loads(trace)
+    world = dist.distributed_c10d._world
+    config = dict(data.get("pg_config") or {})
+    for group, name in world.pg_names.items():
+        config.setdefault(
+            name,
+            {
+                "name": name,
+                "desc": getattr(group, "group_desc", name),
+                "ranks": str(sorted(world.pg_group_ranks.get(group, {}))),
+            },
+        )
+    data["pg_config"] = {k: v for k, v in config.items() if k}
+    return pickle.dumps(data)
 
 
 def _device_id(device: torch.device) -> torch.device | None:

@@ -48,7 +48,6 @@ class TPPlan:
     """Sizes that must divide by the TP degree, by name (e.g. {"n_heads": 32, "n_kv_heads": 8})."""
 
 
-@runtime_checkable
 class ParallelizableModel(Protocol):
     """What titan-parallel and the trainer need from a model.
 
@@ -57,6 +56,14 @@ class ParallelizableModel(Protocol):
     blocks a stage does not own while the fully qualified names of the rest stay stable.
     The modules named in `pre_blocks`/`post_blocks` may be set to None by pipeline parallel,
     and `forward` must then pass its input through them unchanged.
+
+    Optional: `init_plan()` and `init_buffers(buffer_device)` (initial values as data, which
+    titan-parallel's `init_weights_exact` uses to initialise any layout without holding the
+    whole model; see `titan_core.init`).
+
+    Check a model with `parallelizable_problems(model)`, not `isinstance`: from Python 3.12,
+    `isinstance` against a protocol looks members up statically and cannot see an
+    `nn.Module`'s submodules (such as `layers`), so this protocol is not runtime-checkable.
     """
 
     layers: nn.ModuleDict
@@ -77,6 +84,21 @@ class ParallelizableModel(Protocol):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at this sequence length."""
+
+
+def parallelizable_problems(model: nn.Module) -> list[str]:
+    """What `model` lacks of `ParallelizableModel` (empty when it has everything)."""
+    problems = []
+    if not isinstance(getattr(model, "layers", None), nn.ModuleDict):
+        problems.append("`layers` is not an nn.ModuleDict of the repeated blocks")
+    for name in ("pre_blocks", "post_blocks"):
+        value = getattr(model, name, None)
+        if not (isinstance(value, tuple) and all(isinstance(n, str) for n in value)):
+            problems.append(f"`{name}` is not a tuple of module names")
+    for name in ("tp_plan", "cp_buffers", "init_weights", "flops_per_token"):
+        if not callable(getattr(model, name, None)):
+            problems.append(f"`{name}()` is missing")
+    return problems
 
 
 class HFAdapter(Protocol):
