@@ -164,6 +164,8 @@ def train(config: JobConfig) -> TrainResult:
     try:
         # Before anything is written: one run per dump folder, and folders that take writes.
         lock = claim_run_folders(config, info.rank)
+        if config.comm.trace_buf_size:
+            os.makedirs(trace_folder(config.job.dump_folder), exist_ok=True)
         try:
             run = prepare(config, info)
             if config.checkpoint.create_seed_checkpoint:

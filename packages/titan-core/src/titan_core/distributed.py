@@ -37,17 +37,17 @@ def init_distributed(
     `timeout_seconds` bounds every collective until `set_collective_timeout` changes it.
     `trace_buf_size` sizes PyTorch's flight recorder (the last N collectives of every group,
     for `dump_flight_recorder`; 0 turns it off); None leaves torch's own setting (its
-    `TORCH_FR_BUFFER_SIZE` variable) alone. With `trace_dir`, NCCL's watchdog writes each
-    rank's trace there when a collective times out (`rank_<n>` files). An explicit variable in
-    the environment wins.
+    `TORCH_FR_BUFFER_SIZE` variable) alone. With `trace_dir` (which the caller creates, once
+    it knows the folder takes writes), NCCL's watchdog writes each rank's trace there when a
+    collective times out (`rank_<n>` files).
     """
     if trace_buf_size is not None and not dist.is_initialized():
-        # Read by torch when each process group is created, so they must be set before.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+        # Read by torch when each process group is created, so they must be set before. The
+        # argument wins over the environment: it is what the caller's config asked for.
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(trace_buf_size)
         if trace_dir is not None and trace_buf_size > 0:
-            os.makedirs(trace_dir, exist_ok=True)
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(str(trace_dir), "rank_"))
+            os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(str(trace_dir), "rank_")
     backend = backend_for(device_type)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
