@@ -1,0 +1,125 @@
+"""Every command the root and trainer READMEs show in a shell block is run, exactly as shown,
+by a test: the training commands here (from a scratch folder, so that their `outputs/` land
+there, with `UV_PROJECT` pointing `uv run` at this checkout), the others by the test named in
+RUN_ELSEWHERE. A command added to a README without a test fails the first test below."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+READMES = (REPO / "README.md", REPO / "apps/trainer/README.md")
+
+MAIN_JOB = "uv run titan-train --job.config_file apps/trainer/configs/debug_model.toml"
+SHORT_JOB = f"{MAIN_JOB} --training.steps 20"
+FOUR_PROCESSES = (
+    "uv run torchrun --nproc_per_node 4 -m titan_trainer --job.config_file "
+    "apps/trainer/configs/debug_model.toml --parallelism.data_parallel_shard_degree 2 "
+    "--parallelism.tensor_parallel_degree 2"
+)
+RUN_HERE = {MAIN_JOB, SHORT_JOB, FOUR_PROCESSES}
+RUN_ELSEWHERE = {
+    # CI itself (.ci/run runs exactly this).
+    "uv run nox": ".ci/run",
+    "uv sync --all-packages --extra llama": (
+        "tools/test_docs.py::test_root_readme_install_command_works_as_shown"
+    ),
+    # The launch scripts run for real with the cluster tools replaced by recorders.
+    "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh": (
+        "apps/trainer/tests/test_shipped_files.py::test_run_train_sh_finds_the_config_from_any_folder"
+    ),
+    "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh --training.steps 100": (
+        "apps/trainer/tests/test_shipped_files.py::test_run_train_sh_finds_the_config_from_any_folder"
+    ),
+    "sbatch --nodes 8 apps/trainer/scripts/multinode.sbatch configs/llama3_70b.toml": (
+        "apps/trainer/tests/test_shipped_files.py::"
+        "test_multinode_sbatch_resolves_the_config_in_the_submission_folder"
+    ),
+    "titan-train --job.config_file debug_model --training.steps 5": (
+        "apps/trainer/tests/test_shipped_files.py::"
+        "test_the_readme_runs_a_shipped_config_by_name_from_any_folder"
+    ),
+    "titan-train --list-configs": (
+        "apps/trainer/tests/test_shipped_files.py::"
+        "test_list_configs_and_config_path_answer_without_importing_torch"
+    ),
+    "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
+        "apps/trainer/tests/test_shipped_configs_dry_run.py::"
+        "test_shipped_config_dry_runs_at_its_documented_size_and_fits"
+    ),
+}
+
+
+def readme_commands() -> set[str]:
+    """The commands of the READMEs' shell blocks: continuation lines joined, comments dropped."""
+    commands = set()
+    for readme in READMES:
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", readme.read_text(), re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                command = re.sub(r"\s+#.*$", "", line).strip()
+                if command and not command.startswith("#"):
+                    commands.add(" ".join(command.split()))
+    return commands
+
+
+def test_every_readme_command_is_run_by_a_test():
+    commands = readme_commands()
+    untested = commands - RUN_HERE - set(RUN_ELSEWHERE)
+    assert not untested, f"README commands no test runs: {sorted(untested)}"
+    stale = (RUN_HERE | set(RUN_ELSEWHERE)) - commands
+    assert not stale, f"commands tested here that no README shows any more: {sorted(stale)}"
+    for test in set(RUN_ELSEWHERE.values()):
+        path, _, name = test.partition("::")
+        assert (REPO / path).is_file(), test
+        if name:
+            assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), test
+
+
+def _run_as_shown(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    # The config path in the command is relative to the repository root: a scratch folder with
+    # `apps` linked in reads the same files and keeps the run's outputs out of the checkout.
+    (tmp_path / "apps").symlink_to(REPO / "apps")
+    env = {**os.environ, "UV_PROJECT": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(
+        shlex.split(command),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _losses(output: str) -> dict[int, float]:
+    """{step: loss} from the logged step lines (`12:00:00 INFO step   10 | loss 4.1 | ...`)."""
+    return {
+        int(m.group(1)): float(m.group(2))
+        for m in re.finditer(r"\bstep\s+(\d+) \| loss ([\d.]+)", output)
+    }
+
+
+def test_the_main_job_and_its_short_form_train_as_shown(tmp_path):
+    for command, steps in ((MAIN_JOB, 50), (SHORT_JOB, 20)):
+        folder = tmp_path / str(steps)
+        folder.mkdir()
+        done = _run_as_shown(command, folder)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        losses = _losses(done.stdout + done.stderr)
+        assert max(losses) == steps, sorted(losses)
+        # The README promises a pretraining run: the loss falls well below its start.
+        assert losses[steps] < 0.8 * losses[min(losses)], losses
+        assert (folder / "outputs/debug/config.toml").is_file()
+
+
+def test_the_four_process_command_trains_as_shown(tmp_path):
+    done = _run_as_shown(FOUR_PROCESSES, tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    losses = _losses(done.stdout + done.stderr)
+    assert max(losses) == 50 and losses[50] < 0.8 * losses[min(losses)], losses
+    assert "dp_shard 2 x tp 2" in done.stdout + done.stderr  # the layout asked for, on 4 ranks
