@@ -56,6 +56,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from titan_parallel.sharded_stats import local, reduce_sums, row_sums_groups, total_sums_groups
@@ -219,6 +220,10 @@ class Ranger21(Optimizer):
             for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError("Ranger21 does not support sparse gradients")
+                if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                    # A gradient may come back in another layout (e.g. Partial or Replicate
+                    # under TP); the step works shard by shard, on the parameter's layout.
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
                 if not self.state[p]:
                     self._init_state(p, self.state[p])
                 elif resumed is None:

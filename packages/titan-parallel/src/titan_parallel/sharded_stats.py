@@ -33,9 +33,11 @@ def _groups(t: torch.Tensor, rows: bool) -> Groups:
                 f"a parameter has a Partial placement on mesh dimension {mesh_dim}; "
                 "optimizer statistics need parameters that are sharded or replicated"
             )
-        if not placement.is_shard() or mesh.size(mesh_dim) == 1:
+        # Shard, and _StridedShard (FSDP over a TP-sharded dim 0), which torch no longer
+        # counts as a Shard: both have the tensor dimension they split.
+        if getattr(placement, "dim", None) is None or mesh.size(mesh_dim) == 1:
             continue
-        dim = placement.dim % t.ndim  # _StridedShard (FSDP over TP) is a Shard too
+        dim = placement.dim % t.ndim
         if not rows or dim != 0:
             found.append(mesh.get_group(mesh_dim))
     return tuple(found)
