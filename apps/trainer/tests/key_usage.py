@@ -2,8 +2,9 @@
 
 Every section of the loaded config is given a subclass that records each field read. Recording
 starts after loading and checking (validation reads keys that may do nothing), then covers
-three runs in this process: a short training run with every optional feature on, a resume of
-it from an initial checkpoint, and a dry run with suggestions."""
+four runs in this process: a short training run with every optional feature on, a resume of
+it from an initial checkpoint, a step of Ranger21 with bfloat16 states, and a dry run with
+suggestions."""
 
 from __future__ import annotations
 
@@ -158,6 +159,19 @@ def main(out: str, work: str) -> None:
             "false",
             "--checkpoint.exclude_from_loading",
             "dataloader",
+            "--metrics.enable_tensorboard",
+            "false",
+        ],
+        [
+            *common,
+            "--job.dump_folder",
+            f"{work}/r",
+            "--training.steps",
+            "1",
+            "--optimizer.name",
+            "Ranger21",
+            "--optimizer.state_dtype",
+            "bfloat16",
             "--metrics.enable_tensorboard",
             "false",
         ],

@@ -44,6 +44,11 @@ class Case:
     param_dtype: str = "float32"
     model: str = "tiny"
     """`tiny` (parallel_testmodel) or `gpt2` (a user's GPT-2-style model with tied embeddings)."""
+    optimizer: str = "adamw"
+    """A name in `OPTIMIZERS`."""
+    steps: int = STEPS
+    pp: int = 1
+    """Pipeline stages (1F1B, one per rank); the other ranks shard each stage with FSDP."""
     extra: dict = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -75,16 +80,34 @@ def shared_names(model: torch.nn.Module) -> list[list[str]]:
     return sorted(group for group in names.values() if len(group) > 1)
 
 
-def reference(model_name: str = "tiny") -> dict:
+# Ranger21 with every component on, over 5 steps: warm-up over the first 2, warm-down from
+# the 5th (72% of 6 steps), the positive and the negative momentum both used, one Lookahead
+# merge at step 5.
+RANGER21 = dict(lr=LR, total_steps=6, warmup_steps=2, lookahead_steps=5)
+
+
+def build_optimizer(name: str, params, pipeline_group=None) -> torch.optim.Optimizer:
+    from titan_parallel import Ranger21
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR)
+    if name == "ranger21":
+        return Ranger21(params, **RANGER21, pipeline_group=pipeline_group)
+    if name == "ranger21_madgrad":
+        return Ranger21(params, **RANGER21, core="madgrad", pipeline_group=pipeline_group)
+    raise ValueError(name)
+
+
+def reference(model_name: str = "tiny", optimizer: str = "adamw", steps: int = STEPS) -> dict:
     """The same training steps, unsharded, in this one process."""
     model = MODELS[model_name]()
     torch.manual_seed(SEED)
     model.init_weights()
     initial = state_vector(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = build_optimizer(optimizer, model.parameters())
     x, y = batch()
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = cross_entropy(model(x), y)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -100,8 +123,72 @@ def reference(model_name: str = "tiny") -> dict:
     }
 
 
+def run_pp_case(case: Case) -> dict:
+    """Pipeline stages (1F1B, one per rank of the pp dimension), FSDP over the other ranks."""
+    from titan_core import ParallelDims
+    from titan_parallel import (
+        apply_fsdp,
+        broadcast_pipeline_loss,
+        build_pipeline,
+        clip_grad_norm_,
+        dist_mean,
+    )
+
+    world = dist.get_world_size()
+    dims = ParallelDims(world_size=world, pp=case.pp, dp_shard=world // case.pp)
+    dims.build_mesh("cpu")
+    ref = MODELS[case.model]()
+    torch.manual_seed(SEED)
+    ref.init_weights()
+    with torch.device("meta"):
+        model = MODELS[case.model]()
+    dp_mesh = dims.mesh("dp")
+    x, y = batch()
+    if dp_mesh is not None:
+        n, r = dp_mesh.size(), dp_mesh.get_local_rank()
+        x, y = x.chunk(n)[r], y.chunk(n)[r]
+    pp_mesh = dims.mesh("pp")
+    pipe = build_pipeline(
+        model,
+        pp_mesh,
+        schedule="1F1B",
+        microbatch_size=1,
+        local_batch_size=x.shape[0],
+        loss_fn=cross_entropy,
+        device=torch.device("cpu"),
+    )
+    full = ref.state_dict()
+    for part in pipe.model_parts:
+        part.to_empty(device="cpu")
+        part.load_state_dict({k: v for k, v in full.items() if k in part.state_dict()})
+        if dp_mesh is not None:
+            apply_fsdp(part, dims.mesh("fsdp"), pp_enabled=True)
+    params = [p for part in pipe.model_parts for p in part.parameters()]
+    opt = build_optimizer(case.optimizer, params, pipeline_group=pp_mesh.get_group())
+    losses, norms = [], []
+    for _ in range(case.steps):
+        loss = broadcast_pipeline_loss(pipe.step(x, y), pp_mesh, torch.device("cpu"))
+        norms.append(clip_grad_norm_(params, MAX_NORM, pp_mesh=pp_mesh).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(dist_mean(loss, dp_mesh))
+    mine = {k: v for part in pipe.model_parts for k, v in state_vector(part).items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "initial": state_vector(ref),
+        "params": {k: v for d in gathered for k, v in d.items()},
+        "tied": shared_names(ref),
+    }
+
+
 def run_case(case: Case) -> dict:
     from torch.distributed.tensor import DTensor
+
+    if case.pp > 1:
+        return run_pp_case(case)
 
     from titan_core.config import ConfigError
     from titan_core.protocols import TPPlan
@@ -155,7 +242,7 @@ def run_case(case: Case) -> dict:
     model.to_empty(device="cpu")
     init_weights_exact(model, SEED)
     initial = state_vector(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = build_optimizer(case.optimizer, model.parameters())
     x, y = batch()
     dp_mesh = dims.mesh("dp")
     if dp_mesh is not None:  # each data-parallel rank takes its slice of the global batch
@@ -163,7 +250,7 @@ def run_case(case: Case) -> dict:
         x, y = x.chunk(n)[r], y.chunk(n)[r]
     losses, norms = [], []
     t0 = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(case.steps):
         with loss_context(dims, cfg):
             loss = cross_entropy(model(x), y)
             loss.backward()
@@ -206,6 +293,19 @@ def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return {"params": params, "grads": grads, "optim": states}
 
 
+def run_naive_case(case: Case) -> dict:
+    """The case with optimizer statistics taken on each rank's local shard only (what an
+    optimizer unaware of sharding computes)."""
+    from titan_parallel import ranger21
+
+    saved = ranger21.row_sums_groups, ranger21.total_sums_groups
+    ranger21.row_sums_groups = ranger21.total_sums_groups = lambda t: ()
+    try:
+        return run_case(case)
+    finally:
+        ranger21.row_sums_groups, ranger21.total_sums_groups = saved
+
+
 def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_file: str) -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(1)
@@ -216,7 +316,10 @@ def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_file: 
     for case in cases:
         t0 = time.perf_counter()
         try:
-            results[case.name] = run_case(case)
+            if case.extra.get("naive"):
+                results[case.name] = run_naive_case(case)
+            else:
+                results[case.name] = run_case(case)
             results[case.name]["total_seconds"] = time.perf_counter() - t0
         except Exception:  # recorded and compared by the test, which shows the traceback
             results[case.name] = {"error": traceback.format_exc()}

@@ -11,6 +11,7 @@ import torch
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
 from titan_core.device import resolve_device_type
 from titan_trainer.config import JobConfig
+from titan_trainer.optimizer import optimizer_problem
 
 
 def _plugin_problem(group: str, key: str, name: str) -> str | None:
@@ -46,6 +47,9 @@ def check_config(config: JobConfig, world_size: int) -> None:
             problems.append(
                 f"[model] flavor = {config.model.flavor!r} is not a flavor of {config.model.name}\nknown: {known}{hint}"
             )
+    problem = optimizer_problem(config.optimizer.name)
+    if problem:
+        problems.append(problem)
     for name in config.model.converters:
         problem = _plugin_problem(plugins.CONVERTERS, "[model] converters", name)
         if problem:

@@ -15,7 +15,7 @@ Also:
   titan-train --list-configs         the configs shipped with titan-trainer and where they are;
                                      --job.config_file takes their names (debug_model, llama3_8b)
   titan-train --config-path NAME     the TOML file --job.config_file NAME reads
-  titan-train --list-plugins         installed models, data packages, checkpointers, converters
+  titan-train --list-plugins         installed models, data packages, checkpointers, converters, optimizers
   titan-train ... --dry-run          simulate the job instead of running it: memory per rank on
                                      fake tensors, fit verdict, config/tokenizer/dataset/checkpoint
                                      checks (same as --comm.mode fake_backend; see [dry_run])"""

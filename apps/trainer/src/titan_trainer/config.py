@@ -13,7 +13,7 @@ from titan_ckpt import Checkpoint
 from titan_core import Comm, Job
 from titan_core.config import ConfigCompat
 from titan_float8 import Float8
-from titan_parallel import ActivationCheckpoint, Compile, Parallelism
+from titan_parallel import ActivationCheckpoint, Compile, Parallelism, Ranger21Options
 from titan_trainer import torchtitan_keys
 
 Dtype = Literal["auto", "bfloat16", "float32"]
@@ -38,8 +38,9 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class."""
+    name: str = "AdamW"
+    """`AdamW` or `Adam` (built in), `Ranger21` (titan-parallel), another entry point in
+    `titan.optimizers` (see `titan-train --list-plugins`), or `module:attr`."""
     lr: float = 8e-4
     """Peak learning rate."""
     beta1: float = 0.9
@@ -51,10 +52,21 @@ class Optimizer:
     weight_decay: float = 0.1
     """Decoupled weight decay."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
-    """Kernel choice: fused (one kernel per step; falls back to foreach where unsupported), foreach, for-loop."""
+    """Kernel choice for AdamW and Adam: fused (one kernel per step; falls back to foreach where
+    unsupported), foreach, for-loop."""
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the optimizer's moments, for AdamW and Ranger21. bfloat16 halves their memory;
+    they are updated in float32 and stored with stochastic rounding (AdamW then runs on
+    titan-parallel's foreach AdamW, whatever `implementation` says)."""
+    ranger21: Ranger21Options = field(default_factory=Ranger21Options)
 
     def validate(self) -> list[str]:
         problems = []
+        if self.state_dtype != "float32" and self.name == "Adam":
+            problems.append(
+                f"[optimizer] state_dtype = {self.state_dtype!r} is not available for Adam\n"
+                "use AdamW or Ranger21, or state_dtype = 'float32'"
+            )
         if self.lr <= 0:
             problems.append(
                 f"[optimizer] lr = {self.lr} is not valid\nuse a positive learning rate"

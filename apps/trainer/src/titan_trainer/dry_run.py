@@ -184,7 +184,9 @@ def measure_rank(
     with fake_tensors() if fake else contextlib.nullcontext():
         runtime.materialize(parts)
         init_peak = estimate_init_memory(parts, lambda: runtime.init_weights(parts))
-        optimizer = build_optimizer(parts, config.optimizer)
+        optimizer = build_optimizer(
+            parts, config.optimizer, total_steps=config.training.steps, dims=dims
+        )
         _create_optimizer_state(parts, optimizer)
         step = _step_fn(config, runtime, parts, optimizer, vocab_size)
         rss = None if fake else _RSSGrowth()

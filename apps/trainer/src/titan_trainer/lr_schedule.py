@@ -17,6 +17,7 @@ The factor multiplies the optimizer's peak `lr`; step s (0-based) is the s+1-th 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 
@@ -118,5 +119,16 @@ class LRSchedule(LambdaLR):
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
-    """The schedule over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps."""
+    """The schedule over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps.
+
+    An optimizer that schedules its learning rate itself (`owns_lr_schedule`, as Ranger21 with
+    its warm-up or warm-down on) gets a constant schedule instead: applying both would warm up
+    (and decay) twice."""
+    if getattr(optimizer, "owns_lr_schedule", False):
+        log.info(
+            "%s schedules its own learning rate (warm-up and warm-down): [lr_scheduler] is not"
+            " applied; turn the optimizer's schedule off to use [lr_scheduler]",
+            type(optimizer).__name__,
+        )
+        cfg = dataclasses.replace(cfg, warmup_steps=0, decay_ratio=0.0)
     return LRSchedule(optimizer, cfg, total_steps)

@@ -56,7 +56,7 @@ from titan_trainer.guards import (
 )
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
-from titan_trainer.optimizer import build_optimizer
+from titan_trainer.optimizer import build_optimizer, current_lr
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
 from titan_trainer.precision import compute_dtype
 from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
@@ -194,7 +194,9 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     runtime.materialize(parts)
 
     loader = build_loader(config, data, tokenizer, dims)
-    optimizer = build_optimizer(parts, config.optimizer)
+    optimizer = build_optimizer(
+        parts, config.optimizer, total_steps=config.training.steps, dims=dims
+    )
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     state = TrainState()
     checkpointer = build_checkpointer(
@@ -534,7 +536,7 @@ def window_metrics(
     return {
         "loss": loss,
         "grad_norm": grad_norm,
-        "lr": optimizer.param_groups[0]["lr"],
+        "lr": current_lr(optimizer),
         "tokens_per_s": tokens_per_s,
         "tflops": flops / 1e12,
         "mfu_pct": 100.0 * flops / window.peak_flops,

@@ -11,7 +11,8 @@ MODELS = "titan.models"
 DATA = "titan.data"
 CHECKPOINTERS = "titan.checkpointers"
 CONVERTERS = "titan.converters"
-GROUPS = (MODELS, DATA, CHECKPOINTERS, CONVERTERS)
+OPTIMIZERS = "titan.optimizers"
+GROUPS = (MODELS, DATA, CHECKPOINTERS, CONVERTERS, OPTIMIZERS)
 
 
 class PluginError(LookupError):

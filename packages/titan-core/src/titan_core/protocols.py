@@ -2,7 +2,8 @@
 
 titan-models describes a model with a `ModelSpec`; titan-parallel reads the model's
 `TPPlan` and block container; titan-ckpt reads its `HFAdapter`; titan-data is found through a
-`DataSpec`; Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`.
+`DataSpec`; Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`;
+optimizer packages an `OptimizerFactory`.
 Everything here is plain data or a `typing.Protocol`: a third-party package satisfies it
 without inheriting from anything of ours.
 """
@@ -183,6 +184,26 @@ class Converter(Protocol):
 
     def post_optimizer_hook(self, model: nn.Module) -> None:
         """Called by the trainer after every optimizer step (e.g. to precompute scales)."""
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+
+class OptimizerFactory(Protocol):
+    """Builds an optimizer. Registered under `titan.optimizers` (or named as `module:attr`).
+
+    `config` is the trainer's `[optimizer]` section: `lr`, `beta1`, `beta2`, `eps`,
+    `weight_decay`, `implementation`, `state_dtype`, and sub-sections such as
+    `[optimizer.ranger21]`. `total_steps` is the run's length (for an optimizer that schedules
+    itself); `dims` is the run's `ParallelDims`, with its meshes built (for an optimizer that
+    reduces statistics across ranks). Return an optimizer whose `param_groups[i]["lr"]` the
+    trainer's LR schedule may set; an optimizer that schedules its own learning rate sets
+    `owns_lr_schedule = True` on itself, and then the trainer's schedule is not applied.
+    """
+
+    def __call__(
+        self, params: list[nn.Parameter], config: Any, *, total_steps: int, dims: Any
+    ) -> torch.optim.Optimizer: ...
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -1,7 +1,8 @@
 """titan-parallel: apply FSDP2/HSDP/DDP, tensor parallel (with sequence and loss parallel),
 pipeline and context parallel, activation checkpointing and torch.compile to a block-structured
 model; the distributed utilities a training loop needs with them (global gradient clipping,
-metric reduction, exact initialisation under sharding); and per-rank memory estimates of any
+metric reduction, exact initialisation under sharding); optimizers whose statistics are exact
+under sharding (Ranger21, AdamW with bfloat16 states); and per-rank memory estimates of any
 layout at full size on fake process groups and fake tensors."""
 
 import importlib.metadata
@@ -12,6 +13,7 @@ from titan_parallel.config import (
     ActivationCheckpoint,
     Compile,
     Parallelism,
+    Ranger21Options,
     check_parallelize_config,
 )
 from titan_parallel.context_parallel import (
@@ -59,6 +61,8 @@ from titan_parallel.pipeline_split import (
     split_by_layers,
     validate_split_points,
 )
+from titan_parallel.ranger21 import AdamW, Ranger21, build_ranger21, stochastic_round_to_bf16
+from titan_parallel.sharded_stats import reduce_sums, row_sums_groups, total_sums_groups
 from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, copy_block_inputs, loss_context
 from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
 
@@ -66,6 +70,14 @@ __version__ = importlib.metadata.version("titan-parallel")  # the pyproject's ve
 
 __all__ = [
     "SAVE_OPS",
+    "AdamW",
+    "Ranger21",
+    "Ranger21Options",
+    "build_ranger21",
+    "reduce_sums",
+    "row_sums_groups",
+    "stochastic_round_to_bf16",
+    "total_sums_groups",
     "ActivationCheckpoint",
     "MemoryBreakdown",
     "StepMemoryTracker",

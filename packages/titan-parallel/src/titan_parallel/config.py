@@ -1,4 +1,5 @@
-"""The config sections titan-parallel owns: [parallelism], [activation_checkpoint], [compile].
+"""The config sections titan-parallel owns: [parallelism], [activation_checkpoint], [compile],
+and [optimizer.ranger21] (the switches of `titan_parallel.Ranger21`).
 
 Names and defaults follow torchtitan, so a torchtitan TOML loads unchanged. Each `validate()`
 checks its own section; `check_parallelize_config` checks combinations across sections and
@@ -231,3 +232,78 @@ def check_parallelize_config(
 
 def _has_compiler(device_type: str) -> bool:
     return device_type != "cpu" or any(shutil.which(cc) for cc in ("g++", "c++", "clang++"))
+
+
+@dataclass
+class Ranger21Options:
+    """[optimizer.ranger21]: Ranger21's components (Wright & Demeure 2021, arXiv:2106.13731),
+    each switchable. lr, beta1, beta2, eps and weight_decay come from [optimizer]; the
+    defaults below are the reference implementation's."""
+
+    core: Literal["adamw", "madgrad"] = "adamw"
+    """The core optimizer: AdamW, or MADGRAD (Defazio & Jelassi 2021; beta1 is its momentum)."""
+    agc: bool = True
+    """Adaptive gradient clipping, unit-wise (Brock et al. 2021, arXiv:2102.06171)."""
+    agc_clip: float = 1e-2
+    """AGC clips a unit's gradient norm to this times its parameter norm."""
+    agc_eps: float = 1e-3
+    """AGC's floor on a unit's parameter norm (so that zero-initialised units can move)."""
+    gradient_centralization: bool = True
+    """Subtract each row's mean from a matrix's gradient (Yong et al. 2020, arXiv:2004.01461)."""
+    pnm: bool = True
+    """Positive-negative momentum (Xie et al. 2021, arXiv:2103.17182); AdamW core only."""
+    pnm_beta0: float = 1.0
+    """Positive-negative momentum's weight of the other momentum buffer."""
+    norm_loss: bool = True
+    """Norm loss (Georgiou et al. 2021, arXiv:2103.06583): pulls each unit's norm towards 1."""
+    norm_loss_factor: float = 1e-4
+    """Norm loss's coefficient."""
+    stable_weight_decay: bool = True
+    """Stable weight decay (Xie et al. 2020, arXiv:2011.11152): the decay is divided by the
+    root of the model's mean second moment; false: AdamW's decoupled decay."""
+    weight_decay: float = 1e-4
+    """Ranger21's decay coefficient, used instead of [optimizer] weight_decay (AdamW's 0.1
+    divided by a mean gradient scale of ~1e-3 would take a tenth of each weight per step)."""
+    warmup: bool = True
+    """Ranger21's linear warm-up (Ma & Yarats 2019, arXiv:1910.04209). With warmup or warmdown
+    on, Ranger21 schedules the learning rate itself and [lr_scheduler] is not applied."""
+    warmup_steps: int = -1
+    """Warm-up length; -1: 2 / (1 - beta2) steps, or 22% of the run when that is over 45%."""
+    warmdown: bool = True
+    """The explore-exploit schedule's warm-down: flat, then linear to `warmdown_min_lr`."""
+    warmdown_start_pct: float = 0.72
+    """Share of training.steps after which the warm-down starts."""
+    warmdown_min_lr: float = 3e-5
+    """Learning rate at the last step."""
+    lookahead: bool = True
+    """Lookahead (Zhang et al. 2019, arXiv:1907.08610): keeps slow weights (memory: one more
+    copy of the parameters) and pulls the weights towards them every `lookahead_steps`."""
+    lookahead_steps: int = 5
+    """Steps between Lookahead merges."""
+    lookahead_alpha: float = 0.5
+    """Weight of the fast weights in a Lookahead merge."""
+    softplus: bool = True
+    """Pass the adaptive denominator through softplus (Tong et al. 2019, arXiv:1908.00700)."""
+    softplus_beta: float = 50.0
+    """Softplus sharpness: denominators below about 1 / beta are raised towards log(2) / beta."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        checks = (
+            ("agc_clip", self.agc_clip > 0, "use a positive ratio"),
+            ("agc_eps", self.agc_eps >= 0, "use 0 or more"),
+            ("norm_loss_factor", self.norm_loss_factor >= 0, "use 0 or more"),
+            ("weight_decay", self.weight_decay >= 0, "use 0 or more"),
+            ("warmup_steps", self.warmup_steps >= -1, "use -1 (automatic) or 0 or more"),
+            ("warmdown_start_pct", 0 <= self.warmdown_start_pct <= 1, "use a value in [0, 1]"),
+            ("warmdown_min_lr", self.warmdown_min_lr >= 0, "use 0 or more"),
+            ("lookahead_steps", self.lookahead_steps >= 1, "use 1 or more"),
+            ("lookahead_alpha", 0 <= self.lookahead_alpha <= 1, "use a value in [0, 1]"),
+            ("softplus_beta", self.softplus_beta > 0, "use a positive number"),
+        )
+        for key, ok, fix in checks:
+            if not ok:
+                problems.append(
+                    f"[optimizer.ranger21] {key} = {getattr(self, key)} is not valid\n{fix}"
+                )
+        return problems

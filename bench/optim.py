@@ -1,0 +1,104 @@
+"""Optimizer step time: Ranger21 (every component on) and bfloat16-state variants against
+torch's AdamW (foreach), on the Llama 3.1 104M flavor (`100M`), side by side in one run, as
+JSON lines.
+
+    uv run python bench/optim.py [--flavor 100M] [--vocab-size 2048] [--iters 10] [--device cpu]
+
+Each optimizer steps the same parameters with the same (fixed, random) gradients; the steps
+are interleaved round-robin so that a noisy machine slows them alike, and each line carries
+the median step time and its ratio to AdamW foreach (target for Ranger21: at most 1.5).
+Compare ratios, not absolute times, across machines. `--vocab-size` defaults to the byte
+tokenizer's 2048 so that the model is its ~104M-parameter body; pass 128256 for Llama 3's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from titan_models.llama3 import llama3_spec
+from titan_parallel import AdamW, Ranger21
+
+
+def emit(**record) -> None:
+    print(json.dumps({"bench": "optim", **record}), flush=True)
+
+
+def build_params(flavor: str, vocab_size: int, device: torch.device) -> list[torch.Tensor]:
+    args = llama3_spec.flavors[flavor]
+    args = type(args)(**{**args.__dict__, "vocab_size": vocab_size})
+    with torch.device("meta"):
+        model = llama3_spec.build(args)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for p in model.parameters():
+        with torch.no_grad():
+            p.normal_(0, 0.02, generator=gen)
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+        params.append(p)
+    return params
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flavor", default="100M")
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    params = build_params(a.flavor, a.vocab_size, device)
+    n = sum(p.numel() for p in params)
+    emit(flavor=a.flavor, vocab_size=a.vocab_size, parameters=n, device=str(device))
+    # Each optimizer gets its own copy of the parameters (the same values and gradients).
+    makers = {
+        "AdamW foreach (torch)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        "Ranger21": lambda ps: Ranger21(ps, lr=1e-3, total_steps=10_000),
+        "Ranger21 bf16 states": lambda ps: Ranger21(
+            ps, lr=1e-3, total_steps=10_000, state_dtype=torch.bfloat16
+        ),
+        "AdamW bf16 states (titan-parallel)": lambda ps: AdamW(
+            ps, lr=1e-3, state_dtype=torch.bfloat16
+        ),
+    }
+    runs = {}
+    for name, make in makers.items():
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for c, p in zip(copies, params):
+            c.grad = p.grad.clone()
+        opt = make(copies)
+        opt.step()  # states created; one warm-up step
+        runs[name] = (opt, [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(a.iters):
+        for opt, times in runs.values():
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+    base = statistics.median(runs["AdamW foreach (torch)"][1])
+    for name, (opt, times) in runs.items():
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for s in opt.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+        med = statistics.median(times)
+        emit(
+            optimizer=name,
+            step_s=round(med, 4),
+            ratio_to_adamw_foreach=round(med / base, 3),
+            state_gib=round(state_bytes / 2**30, 3),
+            iters=a.iters,
+        )
+
+
+if __name__ == "__main__":
+    main()

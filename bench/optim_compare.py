@@ -1,0 +1,149 @@
+"""AdamW against Ranger21, and Ranger21 with each component off in turn, on the debug model:
+the same data, steps and seed; validation loss at fixed steps, as JSON lines, a Markdown
+table and a PNG plot written into the trainer's docs.
+
+    uv run python bench/optim_compare.py [--steps 120] [--every 20] [--out apps/trainer/docs]
+
+Each variant is one training run of the trainer itself (`titan_trainer.train`), in this
+process, on the embedded corpus, validated on its held-out split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+from titan_core import init_logging, load_config
+from titan_trainer.config import JobConfig
+from titan_trainer.train import train
+
+COMPONENTS = [
+    "agc",
+    "gradient_centralization",
+    "pnm",
+    "norm_loss",
+    "stable_weight_decay",
+    "warmup",
+    "warmdown",
+    "lookahead",
+    "softplus",
+]
+
+
+class _ValidationLosses(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: dict[int, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = re.search(r"step\s+(\d+) \| validation loss ([\d.]+)", record.getMessage())
+        if m:
+            self.losses[int(m.group(1))] = float(m.group(2))
+
+
+def variants() -> dict[str, list[str]]:
+    out = {"AdamW": ["--optimizer.name", "AdamW"], "Ranger21": ["--optimizer.name", "Ranger21"]}
+    for c in COMPONENTS:
+        out[f"Ranger21, {c} off"] = [
+            "--optimizer.name",
+            "Ranger21",
+            f"--optimizer.ranger21.{c}",
+            "false",
+        ]
+    out["Ranger21, MADGRAD core"] = [
+        "--optimizer.name",
+        "Ranger21",
+        "--optimizer.ranger21.core",
+        "madgrad",
+    ]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--out", default="apps/trainer/docs")
+    a = ap.parse_args()
+    init_logging()
+    handler = _ValidationLosses()
+    logging.getLogger().addHandler(handler)
+    for name in ("titan", "titan.train"):
+        logging.getLogger(name).addHandler(handler)
+    results = {}
+    for name, extra in variants().items():
+        handler.losses = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            args = [
+                "--job.config_file", "debug_model",
+                "--job.dump_folder", tmp,
+                "--training.steps", str(a.steps),
+                "--training.seq_len", str(a.seq_len),
+                "--training.local_batch_size", str(a.batch),
+                "--training.seed", "0",
+                "--training.mixed_precision_param", "float32",
+                "--optimizer.lr", str(a.lr),
+                "--lr_scheduler.warmup_steps", str(a.steps // 10),
+                "--metrics.enable_tensorboard", "false",
+                "--metrics.log_freq", str(a.every),
+                "--metrics.peak_tflops", "1",
+                "--validation.enable",
+                "--validation.freq", str(a.every),
+                "--validation.steps", "8",
+                "--validation.local_batch_size", str(a.batch),
+                *extra,
+            ]  # fmt: skip
+            from titan_trainer.shipped import find_config_file
+
+            train(load_config(JobConfig, args, find_config_file=find_config_file))
+        results[name] = dict(sorted(handler.losses.items()))
+        print(
+            json.dumps(
+                {"bench": "optim_compare", "optimizer": name, "validation_loss": results[name]}
+            ),
+            flush=True,
+        )
+    write_docs(results, a, Path(a.out))
+
+
+def write_docs(results: dict, a, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    steps = sorted({s for r in results.values() for s in r})
+    lines = [
+        "| optimizer | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|" + "---|" * len(steps),
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | " + " | ".join(f"{r.get(s, float('nan')):.3f}" for s in steps) + " |"
+        )
+    (out / "optimizer_comparison.md").write_text(
+        f"<!-- written by bench/optim_compare.py --steps {a.steps} --every {a.every} "
+        f"--seq-len {a.seq_len} --batch {a.batch} --lr {a.lr} -->\n" + "\n".join(lines) + "\n"
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in results.items():
+        style = "-" if name in ("AdamW", "Ranger21") else ":"
+        ax.plot(list(r), list(r.values()), style, marker="o", markersize=3, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"debug model, lr {a.lr}, seq {a.seq_len} x batch {a.batch}, seed 0")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "optimizer_comparison.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,497 @@
+"""Ranger21 (Wright & Demeure 2021, "Ranger21: a synergistic deep learning optimizer",
+arXiv:2106.13731), exact under FSDP2, HSDP, DDP, tensor and pipeline parallel.
+
+One step, for the parameters of every group together (t counts steps from 1):
+
+1. Adaptive gradient clipping, unit-wise (Brock et al. 2021, arXiv:2102.06171): a unit is a
+   row (a slice along dim 0) of a matrix, or a whole vector. A unit whose gradient norm exceeds
+   `agc_clip` x max(its parameter norm, `agc_eps`) is scaled down to that norm.
+2. Gradient centralization (Yong et al. 2020, arXiv:2004.01461): each row of a matrix's
+   gradient loses its mean.
+3. The core's second moment: AdamW's v = b2 v + (1 - b2) g^2, or MADGRAD's (Defazio & Jelassi
+   2021, arXiv:2101.11075) dual averages, s += lambda g and S += lambda g^2 with
+   lambda = lr_t sqrt(t).
+4. Stable weight decay (Xie et al. 2020, arXiv:2011.11152): p *= 1 - lr_t wd / v_bar, v_bar
+   the square root of the mean of v / (1 - b2^t) over every element of the model (the cube
+   root of the mean of S under MADGRAD, whose step is lambda); off: AdamW's decoupled decay
+   p *= 1 - lr_t wd.
+5. Norm loss (Georgiou et al. 2021, arXiv:2103.06583): the gradient of
+   `norm_loss_factor` x sum over units (1 - ||p_unit||)^2, applied as
+   p_unit *= 1 - lr_t 2 factor (1 - 1 / (||p_unit|| + eps)) on the decayed weights.
+6. The core step. AdamW with positive-negative momentum (Xie et al. 2021, arXiv:2103.17182):
+   two first moments m+, m- that take turns, the current one m = b1^2 m + (1 - b1^2) g, the
+   update ((1 + b0) m - b0 m_other) / sqrt((1 + b0)^2 + b0^2); without it Adam's
+   m = b1 m + (1 - b1) g. p -= lr_t / (1 - b1^t) x update / denom, denom =
+   sqrt(v / (1 - b2^t)) + eps. MADGRAD: p = (1 - c) p + c (x0 - s / (S^(1/3) + eps)),
+   c = 1 - b1.
+7. Softplus denominator (Tong et al. 2019, arXiv:1908.00700): denom = softplus(denom, beta).
+8. Lookahead (Zhang et al. 2019, arXiv:1907.08610): every `lookahead_steps` steps
+   p = alpha p + (1 - alpha) slow, then slow = p.
+
+lr_t is the group's `lr` times the linear warm-up of Ma & Yarats (2019, arXiv:1910.04209):
+t / W over the first W = 2 / (1 - b2) steps (22% of the run when that is more than 45% of
+it), then the explore-exploit schedule's warm-down: flat until `warmdown_start_pct` of
+`total_steps`, then linear to `warmdown_min_lr` at the last step.
+
+Differences from the reference implementation (lessw2020/Ranger21), each on purpose: weight
+decay and norm loss apply to every parameter (the reference applies them to the last one of
+each group only); the positive-negative momentum uses `pnm_beta0` in both its coefficients and
+its noise normalisation (the reference fixes the first to 1 and normalises with b2); there is
+no AMSGrad maximum (the reference's never takes effect); a 3-D tensor's unit is a slice along
+dim 0 (the reference takes dim 1 only); MADGRAD's stable decay uses MADGRAD's own S.
+
+Exactness under sharding: the per-unit norms, the row means and the global mean are sums
+over elements that a DTensor may spread over ranks. Each is reduced over exactly the mesh
+dimensions that shard what it sums (`titan_parallel.sharded_stats`), and the global mean
+also over `pipeline_group` (pipeline stages hold different parameters). So every layout takes
+the step one process takes on the full tensors, up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from titan_parallel.sharded_stats import local, reduce_sums, row_sums_groups, total_sums_groups
+
+Core = Literal["adamw", "madgrad"]
+
+
+class Ranger21(Optimizer):
+    """Ranger21 with every component switchable (see the module docstring for the formulas).
+
+    Args:
+        params: parameters or parameter groups (groups may set lr, betas, eps, weight_decay).
+        lr: peak learning rate.
+        betas: (b1, b2): first-moment decay (MADGRAD: its momentum) and second-moment decay.
+        weight_decay: the decay coefficient (stable, or decoupled when `stable_weight_decay`
+            is off).
+        total_steps: optimizer steps of the whole run; needed by the warm-down and the
+            automatic warm-up length.
+        warmup_steps: None picks Ma & Yarats' 2 / (1 - b2).
+        state_dtype: dtype the moments are stored in (float32 or bfloat16); they are updated
+            in float32 and stored with stochastic rounding, so that an average with b2 near
+            1 still moves. Lookahead's slow weights and MADGRAD's x0 keep the parameters' dtype.
+        pipeline_group: ranks holding other pipeline stages of the same model, over which the
+            stable-weight-decay mean is taken too; None for a model that is not pipelined.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-4,
+        *,
+        core: Core = "adamw",
+        agc: bool = True,
+        agc_clip: float = 1e-2,
+        agc_eps: float = 1e-3,
+        gradient_centralization: bool = True,
+        pnm: bool = True,
+        pnm_beta0: float = 1.0,
+        norm_loss: bool = True,
+        norm_loss_factor: float = 1e-4,
+        stable_weight_decay: bool = True,
+        warmup: bool = True,
+        warmup_steps: int | None = None,
+        warmdown: bool = True,
+        warmdown_start_pct: float = 0.72,
+        warmdown_min_lr: float = 3e-5,
+        total_steps: int | None = None,
+        lookahead: bool = True,
+        lookahead_steps: int = 5,
+        lookahead_alpha: float = 0.5,
+        softplus: bool = True,
+        softplus_beta: float = 50.0,
+        state_dtype: torch.dtype = torch.float32,
+        pipeline_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        problems = []
+        if lr < 0:
+            problems.append(f"lr = {lr}: use a learning rate of 0 or more")
+        if not all(0 <= b < 1 for b in betas):
+            problems.append(f"betas = {betas}: use values in [0, 1)")
+        if core not in ("adamw", "madgrad"):
+            problems.append(f"core = {core!r}: use 'adamw' or 'madgrad'")
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            problems.append(f"state_dtype = {state_dtype}: use torch.float32 or torch.bfloat16")
+        if lookahead and lookahead_steps < 1:
+            problems.append(f"lookahead_steps = {lookahead_steps}: use 1 or more")
+        if not 0 <= lookahead_alpha <= 1:
+            problems.append(f"lookahead_alpha = {lookahead_alpha}: use a value in [0, 1]")
+        if not 0 <= warmdown_start_pct <= 1:
+            problems.append(f"warmdown_start_pct = {warmdown_start_pct}: use a value in [0, 1]")
+        if total_steps is None and (warmdown or (warmup and warmup_steps is None)):
+            problems.append(
+                "total_steps is not set: the warm-down and the automatic warm-up length need "
+                "the run's length; pass total_steps, or warmup_steps and warmdown=False"
+            )
+        if warmup_steps is not None and warmup_steps < 0:
+            problems.append(f"warmup_steps = {warmup_steps}: use 0 or more")
+        if problems:
+            raise ValueError("Ranger21: " + "; ".join(problems))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.core = core
+        self.agc, self.agc_clip, self.agc_eps = agc, agc_clip, agc_eps
+        self.gradient_centralization = gradient_centralization
+        self.pnm, self.pnm_beta0 = pnm, pnm_beta0
+        self.norm_loss, self.norm_loss_factor = norm_loss, norm_loss_factor
+        self.stable_weight_decay = stable_weight_decay
+        self.warmup, self.warmdown = warmup, warmdown
+        self.warmdown_start_pct, self.warmdown_min_lr = warmdown_start_pct, warmdown_min_lr
+        self.total_steps = total_steps
+        self.warmup_steps = (
+            warmup_steps if warmup_steps is not None else self.auto_warmup(betas[1], total_steps)
+        )
+        self.lookahead, self.lookahead_steps = lookahead, lookahead_steps
+        self.lookahead_alpha = lookahead_alpha
+        self.softplus, self.softplus_beta = softplus, softplus_beta
+        self.state_dtype = state_dtype
+        self.pipeline_group = pipeline_group
+        # The trainer leaves the learning rate to an optimizer that schedules it itself.
+        self.owns_lr_schedule = warmup or warmdown
+        self._t: int | None = None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._t = None  # read from the loaded state at the next step
+
+    # ------------------------------------------------------------------ schedule
+
+    @staticmethod
+    def auto_warmup(beta2: float, total_steps: int | None) -> int:
+        """Ma & Yarats' untuned linear warm-up, 2 / (1 - b2) steps; 22% of the run when that
+        is more than 45% of it (the reference's rule for short runs)."""
+        steps = math.ceil(2.0 / (1.0 - beta2))
+        if total_steps and steps > 0.45 * total_steps:
+            steps = int(0.22 * total_steps)
+        return steps
+
+    def lr_at(self, lr: float, t: int) -> float:
+        """The learning rate of step t (from 1) for a group whose peak is `lr`."""
+        out = lr
+        if self.warmup and self.warmup_steps > 0 and t <= self.warmup_steps:
+            out = lr * t / self.warmup_steps
+        if self.warmdown:
+            start = int(self.warmdown_start_pct * self.total_steps)
+            if t > start and self.total_steps > start:
+                frac = min(1.0, (t - start) / (self.total_steps - start))
+                floor = min(self.warmdown_min_lr, lr)
+                out = min(out, lr - (lr - floor) * frac)
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        moments = (
+            ("exp_avg", "exp_avg_sq") + (("exp_avg_neg",) if self.pnm else ())
+            if self.core == "adamw"
+            else ("grad_sum", "grad_sum_sq")
+        )
+        for name in moments:
+            state[name] = torch.zeros_like(p, dtype=self.state_dtype)
+        if self.core == "madgrad":
+            state["x0"] = p.detach().clone()
+        if self.lookahead:
+            state["slow"] = p.detach().clone()
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups, resumed = [], None
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("Ranger21 does not support sparse gradients")
+                if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                    # A gradient may come back in another layout (e.g. Partial or Replicate
+                    # under TP); the step works shard by shard, on the parameter's layout.
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                if not self.state[p]:
+                    self._init_state(p, self.state[p])
+                elif resumed is None:
+                    resumed = self.state[p]["step"]
+            if params:
+                groups.append((group, params))
+        if not groups:
+            return loss
+        # The step count lives in the state (per parameter, for checkpoints) and, as a Python
+        # int, here: reading it back from a tensor every step would not work on fake tensors.
+        if self._t is None:
+            self._t = 0 if resumed is None else int(resumed.item())
+        self._t += 1
+        t = self._t
+        torch._foreach_add_([self.state[p]["step"] for _, ps in groups for p in ps], 1.0)
+
+        all_params = [p for _, ps in groups for p in ps]
+        if self.agc or self.gradient_centralization or self.norm_loss:
+            unit_norms = self._clip_and_centralize(all_params)
+        else:
+            unit_norms = None
+
+        per_group = []
+        for group, params in groups:
+            lr = self.lr_at(group["lr"], t)
+            group["scheduled_lr"] = lr
+            grads = [local(p.grad) for p in params]
+            names = ("grad_sum", "grad_sum_sq") if self.core == "madgrad" else ("exp_avg_sq",)
+            second = self._moments(params, names[-1])
+            if self.core == "madgrad":
+                lamb = lr * math.sqrt(t)
+                first = self._moments(params, "grad_sum")
+                torch._foreach_add_(first, grads, alpha=lamb)
+                torch._foreach_addcmul_(second, grads, grads, value=lamb)
+            else:
+                b2 = group["betas"][1]
+                torch._foreach_mul_(second, b2)
+                torch._foreach_addcmul_(second, grads, grads, value=1 - b2)
+            per_group.append((group, params, grads, lr, second))
+
+        v_bar = self._stable_decay_statistic(per_group, t) if self.stable_weight_decay else None
+
+        for group, params, grads, lr, second in per_group:
+            self._decay_and_norm_loss(group, params, lr, t, v_bar, unit_norms)
+            if self.core == "madgrad":
+                self._madgrad_step(group, params, lr, t, second)
+            else:
+                self._adamw_step(group, params, grads, lr, t, second)
+            self._store_moments(params)
+
+        if self.lookahead and t % self.lookahead_steps == 0:
+            ps = [local(p) for p in all_params]
+            slow = [local(self.state[p]["slow"]) for p in all_params]
+            torch._foreach_lerp_(ps, slow, 1.0 - self.lookahead_alpha)
+            torch._foreach_copy_(slow, ps)
+        return loss
+
+    def _moments(self, params: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """Float32 working copies of a moment (the stored tensors themselves when they are
+        float32); `_store_moments` writes bfloat16 ones back."""
+        out = []
+        for p in params:
+            stored = local(self.state[p][name])
+            work = stored if stored.dtype == torch.float32 else stored.float()
+            self._working.setdefault(id(p), {})[name] = (stored, work)
+            out.append(work)
+        return out
+
+    @property
+    def _working(self) -> dict:
+        if not hasattr(self, "_working_copies"):
+            self._working_copies: dict = {}
+        return self._working_copies
+
+    def _store_moments(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            for stored, work in self._working.pop(id(p), {}).values():
+                if work is not stored:
+                    stored.copy_(stochastic_round_to_bf16(work))
+
+    def _clip_and_centralize(self, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Unit-wise clipping and centralization of the gradients, in place; returns each
+        parameter's unit norms (for the norm loss), all reduced over the ranks that hold
+        parts of the same units."""
+        stats, groups = [], []
+        for p in params:
+            w, g = local(p), local(p.grad)
+            dims = tuple(range(1, w.ndim)) if w.ndim > 1 else None
+            rows = [_sq_norm(w, dims), _sq_norm(g, dims)]
+            rows.append(g.sum(dims) if dims else g.sum().reshape(1))
+            stats.append(torch.stack([r.float() for r in rows]))
+            groups.append(row_sums_groups(p))
+        reduce_sums(stats, groups)
+        norms = {}
+        for p, s in zip(params, stats):
+            g = local(p.grad)
+            shape = (-1,) + (1,) * (g.ndim - 1) if g.ndim > 1 else ()
+            p_norm, g_norm, g_sum = s[0].sqrt(), s[1].sqrt(), s[2]
+            scale = None
+            if self.agc:
+                limit = p_norm.clamp(min=self.agc_eps) * self.agc_clip
+                scale = torch.where(g_norm > limit, limit / g_norm.clamp(min=1e-6), 1.0)
+                g.mul_(scale.to(g.dtype).reshape(shape))
+            if self.gradient_centralization and g.ndim > 1:
+                mean = g_sum / (p.numel() // p.shape[0])  # global columns per row
+                if scale is not None:
+                    mean = mean * scale
+                g.sub_(mean.to(g.dtype).reshape(shape))
+            norms[id(p)] = p_norm.reshape(shape)
+        return norms
+
+    def _stable_decay_statistic(self, per_group: list, t: int) -> torch.Tensor:
+        """v_bar: the root (square for AdamW, cube for MADGRAD) of the mean second moment
+        over every element of the model, on every rank."""
+        partials, groups, count = [], [], 0
+        for group, params, _, _, second in per_group:
+            sums = torch._foreach_norm(second, 1)  # moments are >= 0: the L1 norm is the sum
+            scale = 1.0 if self.core == "madgrad" else 1.0 / (1 - group["betas"][1] ** t)
+            for p, s in zip(params, sums):
+                partials.append((s.float() * scale).reshape(1))
+                groups.append(total_sums_groups(p))
+                count += p.numel()
+        reduce_sums(partials, groups)
+        total = torch.cat([torch.cat(partials).sum().reshape(1), partials[0].new_tensor([count])])
+        if self.pipeline_group is not None and dist.get_world_size(self.pipeline_group) > 1:
+            dist.all_reduce(total, group=self.pipeline_group)
+        mean = total[0] / total[1]
+        return mean.pow(1 / 3) if self.core == "madgrad" else mean.sqrt()
+
+    def _decay_and_norm_loss(self, group, params, lr, t, v_bar, unit_norms) -> None:
+        wd = group["weight_decay"]
+        ps = [local(p) for p in params]
+        if v_bar is not None and wd:
+            step = lr * math.sqrt(t) if self.core == "madgrad" else lr
+            # A model whose gradients are all zero has v_bar 0: no decay then.
+            decay = torch.where(v_bar > 0, 1 - step * wd / v_bar.clamp(min=1e-30), 1.0)
+        else:
+            decay = torch.tensor(1.0 - lr * wd, device=ps[0].device)
+        if not self.norm_loss:
+            if wd:
+                torch._foreach_mul_(ps, decay)
+            return
+        for p, w in zip(params, ps):
+            norm = unit_norms[id(p)] * decay  # the norm after the decay: it scales every unit
+            correction = 2 * self.norm_loss_factor * (1 - 1 / (norm + group["eps"]))
+            w.mul_((decay * (1 - lr * correction)).to(w.dtype))
+
+    def _adamw_step(self, group, params, grads, lr, t, second) -> None:
+        b1, b2 = group["betas"]
+        ps = [local(p) for p in params]
+        if self.pnm:
+            b0 = self.pnm_beta0
+            pos, neg = (
+                self._moments(params, "exp_avg"),
+                self._moments(params, "exp_avg_neg"),
+            )
+            current, other = (pos, neg) if t % 2 == 1 else (neg, pos)
+            torch._foreach_mul_(current, b1 * b1)
+            torch._foreach_add_(current, grads, alpha=1 - b1 * b1)
+            noise = math.sqrt((1 + b0) ** 2 + b0**2)
+            update = torch._foreach_mul(current, (1 + b0) / noise)
+            torch._foreach_add_(update, other, alpha=-b0 / noise)
+        else:
+            update = self._moments(params, "exp_avg")
+            torch._foreach_lerp_(update, grads, 1 - b1)
+        denom = torch._foreach_sqrt(second)
+        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+        torch._foreach_add_(denom, group["eps"])
+        if self.softplus:
+            denom = [F.softplus(d, beta=self.softplus_beta) for d in denom]
+        torch._foreach_addcdiv_(ps, update, denom, value=-lr / (1 - b1**t))
+
+    def _madgrad_step(self, group, params, lr, t, second) -> None:
+        ps = [local(p) for p in params]
+        grad_sum = [self._working[id(p)]["grad_sum"][1] for p in params]
+        rms = torch._foreach_pow(second, 1 / 3)
+        torch._foreach_add_(rms, group["eps"])
+        if self.softplus:
+            rms = [F.softplus(r, beta=self.softplus_beta) for r in rms]
+        z = torch._foreach_addcdiv([local(self.state[p]["x0"]) for p in params], grad_sum, rms, -1)
+        torch._foreach_lerp_(ps, z, 1 - group["betas"][0])
+
+
+def _sq_norm(x: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
+    if dims is None:
+        return torch.linalg.vector_norm(x.float()).square().reshape(1)
+    return torch.linalg.vector_norm(x, dim=dims, dtype=torch.float32).square()
+
+
+def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """`x` (float32) rounded to bfloat16 up or down at random, with the probability that makes
+    the expected value `x`: adding random low bits before truncating."""
+    bits = x.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class AdamW(Ranger21):
+    """AdamW (Loshchilov & Hutter 2019, decoupled weight decay) on Ranger21's engine with every
+    Ranger21 component off. It takes the same steps as `torch.optim.AdamW`; what it adds is the
+    choice of `state_dtype`: bfloat16 moments (stochastically rounded) halve the optimizer's
+    memory."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            agc=False,
+            gradient_centralization=False,
+            pnm=False,
+            norm_loss=False,
+            stable_weight_decay=False,
+            warmup=False,
+            warmdown=False,
+            lookahead=False,
+            softplus=False,
+            state_dtype=state_dtype,
+        )
+
+
+def build_ranger21(
+    params: list[torch.Tensor], config: Any, *, total_steps: int, dims: Any = None
+) -> Ranger21:
+    """The `titan.optimizers` entry point `Ranger21`: a Ranger21 from an [optimizer] section
+    (lr, beta1, beta2, eps, state_dtype, and the [optimizer.ranger21] switches, a
+    `Ranger21Options`) for a run of `total_steps` steps laid out as `dims` (its pipeline mesh
+    carries the stable-weight-decay mean across stages)."""
+    o = config.ranger21
+    pp_mesh = dims.mesh("pp") if dims is not None else None
+    return Ranger21(
+        params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=o.weight_decay,
+        core=o.core,
+        agc=o.agc,
+        agc_clip=o.agc_clip,
+        agc_eps=o.agc_eps,
+        gradient_centralization=o.gradient_centralization,
+        pnm=o.pnm,
+        pnm_beta0=o.pnm_beta0,
+        norm_loss=o.norm_loss,
+        norm_loss_factor=o.norm_loss_factor,
+        stable_weight_decay=o.stable_weight_decay,
+        warmup=o.warmup,
+        warmup_steps=None if o.warmup_steps == -1 else o.warmup_steps,
+        warmdown=o.warmdown,
+        warmdown_start_pct=o.warmdown_start_pct,
+        warmdown_min_lr=o.warmdown_min_lr,
+        total_steps=total_steps,
+        lookahead=o.lookahead,
+        lookahead_steps=o.lookahead_steps,
+        lookahead_alpha=o.lookahead_alpha,
+        softplus=o.softplus,
+        softplus_beta=o.softplus_beta,
+        state_dtype=getattr(torch, config.state_dtype),
+        pipeline_group=pp_mesh.get_group() if pp_mesh is not None else None,
+    )

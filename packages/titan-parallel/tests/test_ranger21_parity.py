@@ -1,0 +1,89 @@
+"""Ranger21, every component on, takes the steps one process takes under every layout: FSDP2
+(2 and 4 ranks), TP2 (column- and row-wise sharded weights), FSDP2 x TP2, HSDP, DDP, PP2 and
+PP2 x FSDP2; and the same optimizer with statistics taken on each rank's local shard does not.
+
+One spawn per world size (2 and 4 ranks, real gloo groups on CPU, both at once); each rank
+runs every case of its size: 5 steps of the tiny transformer on the parity matrix's batch
+(`parity_worker`), against the 1-process run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from parity_worker import Case, reference, start_cases
+
+STEPS = 5
+R = dict(optimizer="ranger21", steps=STEPS)
+CASES_2 = [
+    Case("ranger21_fsdp2", 2, **R),
+    Case("ranger21_tp2", 2, tp=2, **R),
+    Case("ranger21_ddp2", 2, dp_shard=1, dp_replicate=2, **R),
+    Case("ranger21_pp2", 2, pp=2, **R),
+]
+NAIVE = Case("ranger21_tp2_local_shard_statistics", 2, tp=2, extra={"naive": True}, **R)
+CASES_4 = [
+    Case("ranger21_fsdp4", 4, **R),
+    Case("ranger21_fsdp2_x_tp2", 4, tp=2, **R),
+    Case("ranger21_hsdp_2x2", 4, dp_replicate=2, dp_shard=2, **R),
+    Case("ranger21_pp2_x_fsdp2", 4, pp=2, **R),
+    Case("ranger21_madgrad_fsdp2_x_tp2", 4, tp=2, optimizer="ranger21_madgrad", steps=STEPS),
+]
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict:
+    return {name: reference("tiny", name, STEPS) for name in ("ranger21", "ranger21_madgrad")}
+
+
+@pytest.fixture(scope="module")
+def launched() -> dict:
+    return {2: start_cases(2, [*CASES_2, NAIVE]), 4: start_cases(4, CASES_4)}
+
+
+@pytest.fixture(scope="module")
+def results(launched) -> dict:
+    out = {}
+    for world in (2, 4):
+        got = launched[world].results()
+        got.pop("_startup_seconds")
+        out.update(got)
+    return out
+
+
+def relative_error(got: dict, ref: dict) -> float:
+    """The size of the difference of the whole model's weights, relative to their size."""
+    diff = sum((got[k] - v).pow(2).sum() for k, v in ref.items()).sqrt()
+    return float(diff / sum(v.pow(2).sum() for v in ref.values()).sqrt())
+
+
+@pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
+def test_ranger21_layout_takes_the_one_process_steps(case: Case, results: dict, refs: dict):
+    got, ref = results[case.name], refs[case.optimizer]
+    assert "error" not in got, got.get("error")
+    assert sorted(got["params"]) == sorted(ref["params"])
+    err = relative_error(got["params"], ref["params"])
+    print(f"{case.name}: parameters after {STEPS} steps, relative error {err:.2e}")
+    # Only the order of fp32 sums differs (sharded matmuls, reduce-scatter, the statistics'
+    # all-reduces). Measured: at most ~1e-7 (the softplus denominator keeps Adam from
+    # amplifying the noise of near-zero gradients).
+    assert err <= 1e-5, err
+    for step in range(STEPS):
+        assert abs(got["losses"][step] - ref["losses"][step]) <= 1e-5 * abs(ref["losses"][step])
+
+
+def test_statistics_of_the_local_shard_only_give_other_steps(results: dict, refs: dict):
+    """Row-wise TP weights (wo, w2: Shard(1)) split every row over the two ranks: per-row
+    norms and means of a half row are not those of the row."""
+    got = results[NAIVE.name]
+    assert "error" not in got, got.get("error")
+    err = relative_error(got["params"], refs["ranger21"]["params"])
+    print(f"local-shard statistics under TP2: relative error {err:.2e}")
+    # Ten times the exact layouts' tolerance (their measured error is ~1e-8).
+    assert err > 1e-4, err
+    ref = refs["ranger21"]["params"]
+    rowwise = max(
+        float((got["params"][k] - ref[k]).norm() / ref[k].norm())
+        for k in ref
+        if k.endswith(("wo.weight", "w2.weight"))
+    )
+    assert rowwise > 1e-4, rowwise
