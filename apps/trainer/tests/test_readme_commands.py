@@ -47,6 +47,9 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_shipped_files.py::"
         "test_list_configs_and_config_path_answer_without_importing_torch"
     ),
+    f"{MAIN_JOB} --optimizer.name Ranger21 --training.steps 3": (
+        "apps/trainer/tests/test_optimizer_plugins.py::test_readme_ranger21_command_trains_the_debug_model"
+    ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"
         "test_shipped_config_dry_runs_at_its_documented_size_and_fits"
