@@ -66,21 +66,32 @@ def test_list_configs_and_config_path_answer_without_importing_torch(tmp_path):
 
 def test_the_readme_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
     readme = (TRAINER / "README.md").read_text()
-    (command,) = [
-        line for line in readme.splitlines() if line.startswith("titan-train --job.config_file")
-    ]
-    done = subprocess.run(
-        shlex.split(command),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"},
-    )
+    lines = readme.splitlines()
+    command, again = [line for line in lines if line.startswith("titan-train --job.config_file")]
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"}
+
+    def run(line: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            shlex.split(line.split("  #")[0]), cwd=tmp_path, capture_output=True, text=True,
+            timeout=600, env=env,
+        )  # fmt: skip
+
+    done = run(command)
     assert done.returncode == 0, done.stderr
     assert "step    5 | loss" in done.stdout
     # Outputs land under the folder it ran in, with the name it was given.
     assert 'config_file = "debug_model"' in (tmp_path / "outputs/debug/config.toml").read_text()
+    assert {p.name for p in (tmp_path / "outputs/debug/plots").iterdir()} == {
+        "loss.png", "throughput.png", "memory.png",
+    }  # fmt: skip
+    assert (tmp_path / "outputs/debug/logs/rank_0.log").is_file()
+    # The README's comparison: the same job again, and titan-compare on the two folders.
+    (compare,) = [line for line in lines if line.startswith("titan-compare ")]
+    assert run(again).returncode == 0
+    done = run(compare)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "within tolerance 1e-05: loss" in done.stdout
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
 
 
 def _recorder(folder: Path, name: str, body: str = "") -> None:
