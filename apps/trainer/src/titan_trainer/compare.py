@@ -36,9 +36,7 @@ def load_runs(folders: Sequence[str]) -> dict[str, Series]:
     return runs
 
 
-def differences(
-    runs: dict[str, Series], metric: str, reference: str, relative: bool
-) -> list[dict]:
+def differences(runs: dict[str, Series], metric: str, reference: str, relative: bool) -> list[dict]:
     """For each run other than `reference`: its shared steps and the differences there."""
     rows = []
     base = runs[reference][metric]
@@ -101,7 +99,9 @@ def compare(args: argparse.Namespace) -> int:
         )
     table = {m: differences(runs, m, reference, args.relative) for m in metrics}
     if not any(row["steps"] for rows in table.values() for row in rows):
-        raise CompareError("the runs share no logged step; log at the same steps (metrics.log_freq)")
+        raise CompareError(
+            "the runs share no logged step; log at the same steps (metrics.log_freq)"
+        )
     print(format_table(table, reference, args.relative))
     if args.plot:
         why_not = matplotlib_missing()

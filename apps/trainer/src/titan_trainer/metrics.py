@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from titan_core import get_logger
-from titan_trainer.plots import matplotlib_missing, read_scalars, write_run_plots
+from titan_trainer.plots import event_folders, matplotlib_missing, read_scalars, write_run_plots
 
 log = get_logger("metrics")
 
@@ -108,10 +108,9 @@ class MetricsLogger:
         # Every rank logs its line (its own log file, and the console for the ranks chosen
         # there); the scalars are written once, from rank 0.
         log.info(format_line(step, metrics))
-        if self.rank == 0:
-            if metrics.get("mfu_pct", 0.0) > 100 and not self._warned_mfu:
-                self._warned_mfu = True
-                log.warning(MFU_ABOVE_100, metrics["mfu_pct"])
+        if self.rank == 0 and metrics.get("mfu_pct", 0.0) > 100 and not self._warned_mfu:
+            self._warned_mfu = True
+            log.warning(MFU_ABOVE_100, metrics["mfu_pct"])
         self.log_scalars(step, metrics)
 
     def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
@@ -133,10 +132,11 @@ class MetricsLogger:
             self._write_plots()
 
     def _write_plots(self) -> None:
-        """loss, throughput and memory curves as PNG; with TensorBoard on, of the whole run
-        (every start of a resumed run), else of this process's steps."""
+        """loss, throughput and memory curves as PNG; of the whole run when TensorBoard holds
+        earlier starts of it (a resumed run), else of this process's steps."""
         try:
-            series = read_scalars(self.tb_path) if self.writer is not None else self.history
+            resumed = self.writer is not None and len(event_folders(self.tb_path)) > 1
+            series = read_scalars(self.tb_path) if resumed else self.history
             written = write_run_plots(series, self.plots, self.run_name)
         except Exception as e:  # the run itself went well: say so, do not fail it here
             log.warning("plots: could not draw the curves into %s: %s", self.plots, e)
