@@ -82,7 +82,7 @@ def write_run_plots(series: Series, out_folder: str, title: str = "") -> list[st
         drawn = [m for m in metrics if series.get(m)]
         if not drawn:
             continue
-        figure, axes = _figure(f"{title} {what}".strip(), ylabel)
+        figure, axes = _figure(f"{what}: {title}" if title else what, ylabel)
         for metric in drawn:
             steps = sorted(series[metric])
             axes.plot(steps, [series[metric][s] for s in steps], marker=".", label=metric)
