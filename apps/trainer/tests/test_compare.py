@@ -103,15 +103,23 @@ def test_every_run_ends_with_its_curves_as_png(tmp_path):
     assert png_size(tmp_path / "plots" / "loss.png") == (700, 400)
 
 
-def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypatch, caplog):
+def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # Python's way to make it unimportable
-    monkeypatch.setattr(logging.getLogger("titan"), "propagate", True)
-    with caplog.at_level(logging.INFO, logger="titan"):
+    # Listen on the titan logger itself: it may not propagate (init_logging turns that off).
+    titan = logging.getLogger("titan")
+    records: list[logging.LogRecord] = []
+    listener = logging.Handler()
+    listener.emit = records.append
+    monkeypatch.setattr(titan, "level", logging.INFO)
+    titan.addHandler(listener)
+    try:
         logger = MetricsLogger(str(tmp_path), "tb", False, 0, plots_folder="plots")
         logger.log_scalars(1, {"loss": 5.0})
         logger.close()
+    finally:
+        titan.removeHandler(listener)
     assert not (tmp_path / "plots").exists()
-    said = [r.getMessage() for r in caplog.records if "matplotlib" in r.getMessage()]
+    said = [r.getMessage() for r in records if "matplotlib" in r.getMessage()]
     assert said == [
         "plots: matplotlib is not installed, so no PNG curves are drawn "
         "(pip install 'titan-trainer[plots]', or uv sync --extra plots)"

@@ -49,6 +49,8 @@ def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path):
             str(tmp_path),
             "--comm.mode",
             "fake_backend",
+            "--dry_run.world_size",  # the debug config's own dry run is one process
+            "2",
             "--parallelism.pipeline_parallel_degree",
             "2",
             "--parallelism.data_parallel_shard_degree",
