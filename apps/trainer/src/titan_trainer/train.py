@@ -165,6 +165,8 @@ def train(config: JobConfig) -> TrainResult:
     try:
         # Before anything is written: one run per dump folder, and folders that take writes.
         lock = claim_run_folders(config, info.rank)
+        if config.comm.trace_buf_size:  # where a timed-out collective's trace goes
+            os.makedirs(trace_folder(config.job.dump_folder), exist_ok=True)
         try:
             with rank_logging(config.logging, config.job.dump_folder, info.rank, info.world_size):
                 run = prepare(config, info)

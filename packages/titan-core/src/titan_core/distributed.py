@@ -42,12 +42,12 @@ def init_distributed(
     the environment wins.
     """
     if trace_buf_size is not None and not dist.is_initialized():
-        # Read by torch when each process group is created, so they must be set before.
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
+        # Read by torch when each process group is created, so they must be set before; the
+        # folder itself is the caller's to create (after it has checked that it may write there).
+        _set_env_default("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
         if trace_dir is not None and trace_buf_size > 0:
-            os.makedirs(trace_dir, exist_ok=True)
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(str(trace_dir), "rank_"))
+            _set_env_default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            _set_env_default("TORCH_FR_DUMP_TEMP_FILE", os.path.join(str(trace_dir), "rank_"))
     backend = backend_for(device_type)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -123,9 +123,23 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+# The variables init_distributed set (not the user), undone by destroy_distributed: a later
+# job in this process, or a process it starts, must not inherit them as if they were the user's.
+_ENV_SET: dict[str, str] = {}
+
+
+def _set_env_default(name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = _ENV_SET[name] = value
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in list(_ENV_SET.items()):
+        if os.environ.get(name) == value:
+            del os.environ[name]
+        del _ENV_SET[name]
 
 
 def world_size_from_env() -> int:
