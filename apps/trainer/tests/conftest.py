@@ -79,6 +79,10 @@ def debug_args(tmp_path) -> list[str]:
         "4",
         "--metrics.log_freq",
         "1",
+        # Drawing the end-of-run curves costs seconds per run; the tests that look at them
+        # turn them on.
+        "--metrics.save_plots_folder",
+        "",
     ]
 
 

@@ -5,6 +5,7 @@ trace, instead of a hang."""
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -71,10 +72,15 @@ def test_a_stalled_rank_ends_the_job_within_the_training_timeout(tmp_path):
     )
     report = analysis.stdout + analysis.stderr  # the analyzer logs its findings to stderr
     assert "missing ranks: {1}" in report, report[-3000:]
+    # Rank 0's own log file ends with why it stopped.
+    rank0 = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "ERROR titan: stopped: a collective did not complete within 5 s" in rank0, rank0[-3000:]
 
 
-def test_the_flight_recorder_is_off_with_a_zero_buffer(tmp_path):
+def test_the_flight_recorder_is_off_with_a_zero_buffer_and_each_rank_logs_to_its_file(tmp_path):
     # The timeout is long enough for the whole (short) run: it completes, and nothing is traced.
+    # The same run shows `[logging]`: LOG_RANK=1 puts rank 1 (not rank 0) on the console, and
+    # each rank writes every line, its rank first, to a file of its own.
     result = run_cli(
         [
             "--job.config_file",
@@ -94,6 +100,19 @@ def test_the_flight_recorder_is_off_with_a_zero_buffer(tmp_path):
         ],
         nproc=2,
         timeout=300,
+        env_extra={"LOG_RANK": "1"},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert not (tmp_path / "comm_traces").exists() or not any((tmp_path / "comm_traces").iterdir())
+    console = result.stdout.splitlines()
+    assert any(line.startswith("[rank1] ") and "step    2 | loss" in line for line in console)
+    assert not [line for line in console if line.startswith("[rank0] ") and " INFO " in line]
+    for rank in (0, 1):
+        lines = (tmp_path / "logs" / f"rank_{rank}.log").read_text().splitlines()
+        stamped = [line for line in lines if re.match(r"\[rank\d\] \d{4}-\d\d-\d\d ", line)]
+        assert {line[:7] for line in stamped} == {f"[rank{rank}]"}, lines[:5]
+        text = "\n".join(lines)
+        # From the checks before the run folder could be claimed (kept, then written) to the
+        # last step.
+        assert "INFO titan.checks: [training] dataset: " in text, text[:3000]
+        assert "2 processes on cpu" in text and "step    2 | loss" in text, text[-3000:]

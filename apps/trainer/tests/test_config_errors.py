@@ -129,3 +129,23 @@ def test_torchtitan_style_configs_load(tmp_path):
     for path in sorted(configs.glob("*.toml")):
         cfg = load_config(JobConfig, ["--job.config_file", str(path)])
         assert cfg.model.name == "llama3"
+
+
+def test_console_ranks_are_checked_against_the_job_size(monkeypatch):
+    from titan_trainer.logs import rank_problems
+
+    assert problems(["--logging.ranks", "0,x"]) == (
+        "titan: config error: [logging] ranks = '0,x': 'x' is not a rank or a range of ranks\n"
+        "       use ranks such as 0, 0,3, 0-3 or all"
+    )
+    section = load_config(JobConfig, ["--logging.ranks", "0-2,5"]).logging
+    assert rank_problems(section, 4) == [
+        "[logging] ranks = '0-2,5' names rank 5, but the job has 4 processes\n"
+        "use ranks from 0 to 3, or all"
+    ]
+    assert rank_problems(section, 6) == []
+    # Without the key, torchtitan's LOG_RANK variable chooses.
+    monkeypatch.setenv("LOG_RANK", "3")
+    assert rank_problems(load_config(JobConfig, []).logging, 2) == [
+        "LOG_RANK = '3' names rank 3, but the job has 2 processes\nuse ranks from 0 to 1, or all"
+    ]

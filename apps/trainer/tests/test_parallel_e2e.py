@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import STEPS, fp32_args, parse_losses, run_cli
 
+from titan_trainer.compare import main as compare
+
 
 @pytest.fixture(scope="module")
 def reference_losses(tmp_path_factory, same_doc_dataset):
@@ -23,9 +25,15 @@ def reference_losses(tmp_path_factory, same_doc_dataset):
         ],
         same_doc_dataset,
     )
-    result = run_cli([*args, *_validation(same_doc_dataset), "--training.global_batch_size", "8"])
+    result = run_cli(
+        [*args, *_validation(same_doc_dataset), "--training.global_batch_size", "8", *_TB]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    return parse_losses(result.stdout), _validation_losses(result.stdout)
+    return parse_losses(result.stdout), _validation_losses(result.stdout), out
+
+
+# TensorBoard on, for `titan-compare` (fp32_args turns it off).
+_TB = ["--metrics.enable_tensorboard", "true"]
 
 
 def _validation(dataset: str) -> list[str]:
@@ -56,11 +64,12 @@ def test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process(
             "--parallelism.tensor_parallel_degree",
             "2",
             *_validation(same_doc_dataset),
+            *_TB,
         ],
         nproc=4,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    reference_losses, reference_validation = reference_losses
+    reference_losses, reference_validation, reference_folder = reference_losses
     losses = parse_losses(result.stdout)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in losses.items():
@@ -74,6 +83,13 @@ def test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process(
     assert sorted(validation) == sorted(reference_validation) == [2, 4]
     for step, loss in validation.items():
         assert loss == pytest.approx(reference_validation[step], abs=2e-4), step
+    # The same check as a CI job would write it: titan-compare on the two run folders, with
+    # the tolerance above, reading what TensorBoard holds (full precision, not the log's 4
+    # decimals).
+    run_folder = debug_args[debug_args.index("--job.dump_folder") + 1]
+    for metric in ("loss", "validation_loss"):
+        assert compare([str(reference_folder), run_folder, "--metric", metric, "--plot", "",
+                        "--tolerance", "2e-4"]) == 0, metric  # fmt: skip
 
 
 def test_pipeline_without_seed_checkpoint_matches_one_process_for_5_steps(

@@ -66,27 +66,43 @@ def test_list_configs_and_config_path_answer_without_importing_torch(tmp_path):
 
 def test_the_readme_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
     readme = (TRAINER / "README.md").read_text()
-    (command,) = [
-        line for line in readme.splitlines() if line.startswith("titan-train --job.config_file")
-    ]
-    done = subprocess.run(
-        shlex.split(command),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"},
-    )
+    lines = readme.splitlines()
+    command = "titan-train --job.config_file debug_model --training.steps 5"
+    assert command in lines
+    (again,) = [line for line in lines if line.startswith(f"{command} --job.dump_folder")]
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"}
+
+    def run(line: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            shlex.split(line.split("  #")[0]), cwd=tmp_path, capture_output=True, text=True,
+            timeout=600, env=env,
+        )  # fmt: skip
+
+    done = run(command)
     assert done.returncode == 0, done.stderr
     assert "step    5 | loss" in done.stdout
     # Outputs land under the folder it ran in, with the name it was given.
     assert 'config_file = "debug_model"' in (tmp_path / "outputs/debug/config.toml").read_text()
+    assert {p.name for p in (tmp_path / "outputs/debug/plots").iterdir()} == {
+        "loss.png", "throughput.png", "memory.png",
+    }  # fmt: skip
+    assert (tmp_path / "outputs/debug/logs/rank_0.log").is_file()
+    # The README's comparison: the same job again, and titan-compare on the two folders.
+    (compare,) = [line for line in lines if line.startswith("titan-compare ")]
+    assert run(again).returncode == 0
+    done = run(compare)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "within tolerance 1e-05: loss" in done.stdout
+    assert (tmp_path / "compare.png").stat().st_size > 10_000
 
 
 def _recorder(folder: Path, name: str, body: str = "") -> None:
     """A stand-in for a cluster tool: does `body`, else writes its arguments to $RECORD."""
     path = folder / name
-    path.write_text(f'#!/usr/bin/env bash\n{body}\nprintf "%s\\n" "$@" > "$RECORD"\n')
+    path.write_text(
+        f'#!/usr/bin/env bash\n{body}\nprintf "%s\\n" "$@" > "$RECORD"\n'
+        'echo "LOG_RANK=${LOG_RANK:-}" > "$RECORD.env"\n'
+    )
     path.chmod(0o755)
 
 
@@ -130,6 +146,19 @@ def test_run_train_sh_finds_the_config_from_any_folder(tmp_path):
         assert done.returncode == 0, done.stderr
         assert _config_arg(launched) == llama8b
         assert "--nproc_per_node=8" in launched and launched[-2:] == ["--training.steps", "100"]
+    # The README's LOG_RANK line: titan-train (under torchrun) reads it from the environment.
+    (line,) = [
+        x for x in (TRAINER / "README.md").read_text().splitlines() if x.startswith("LOG_RANK=")
+    ]
+    words = shlex.split(line)
+    at = next(i for i, w in enumerate(words) if "=" not in w)
+    assignments, script, args = words[:at], words[at], words[at + 1 :]
+    done, launched = _launch(
+        "run_train.sh", args, tmp_path, tmp_path, **dict(a.split("=", 1) for a in assignments)
+    )
+    assert done.returncode == 0, done.stderr
+    assert script == "apps/trainer/run_train.sh" and "--nproc_per_node=2" in launched
+    assert (tmp_path / "launched.env").read_text() == "LOG_RANK=0,1\n"
     own = tmp_path / "mine.toml"
     own.write_text("[training]\nsteps = 2\n")
     done, launched = _launch(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 
 import pytest
 from conftest import DEBUG_TOML, parse_losses, run_cli
@@ -70,3 +72,26 @@ def test_wandb_run_holds_the_logged_scalars(tmp_path):
     for row in rows:
         assert row["loss"] == pytest.approx(logged[row["_step"]], abs=1e-4)
         assert {"grad_norm", "lr", "tokens_per_s", "mfu_pct", "mem_peak_gib"} <= set(row)
+
+
+def test_without_wandb_installed_enabling_it_stops_before_the_run(tmp_path):
+    # `sys.modules[name] = None` is Python's own way to make a package unimportable: the
+    # process sees no wandb, as after `pip install titan-trainer` without the extra.
+    code = (
+        "import sys; sys.modules['wandb'] = None\n"
+        "from titan_trainer.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable, "-c", code, "--job.config_file", str(DEBUG_TOML),
+            "--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_wandb",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.endswith(  # after torch's own import-time warnings, if any
+        "titan: config error: [metrics] enable_wandb = true, but wandb is not installed\n"
+        "       pip install 'titan-trainer[wandb]' (or uv sync --extra wandb), or turn it off\n"
+    )
+    assert not (tmp_path / "run").exists()  # nothing started

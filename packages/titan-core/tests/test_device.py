@@ -74,3 +74,31 @@ def test_logging_quiets_non_zero_ranks(capsys):
     out = capsys.readouterr().out
     assert "hidden" not in out and "shown" in out and "rank zero speaks" in out
     assert get_logger().level == logging.INFO
+
+
+def test_log_to_file_keeps_every_line_from_the_first_and_the_error_that_ended_it(tmp_path, capsys):
+    from titan_core.log import log_to_file
+
+    init_logging(rank=1)
+    log = get_logger("test")
+    log.info("before the file")  # not on rank 1's console, kept for its file
+    init_logging(rank=1, console_ranks=[1])  # this rank chosen for the console
+    path = tmp_path / "logs" / "rank_1.log"
+    with pytest.raises(RuntimeError), log_to_file(str(path), rank=1):
+        log.info("inside")
+        raise RuntimeError("peer gone")
+    log.info("after the file")
+    init_logging(rank=0)
+    # The file starts with what this process logged before it opened (earlier tests' lines too).
+    lines = path.read_text().splitlines()
+    stamped = [line for line in lines if line.startswith("[rank")]
+    assert all(line.startswith("[rank1] ") for line in stamped)
+    assert [line.split(" ", 3)[3] for line in stamped[-3:]] == [
+        "INFO titan.test: before the file",
+        "INFO titan.test: inside",
+        "ERROR titan: stopped: peer gone",
+    ]
+    assert lines[-1] == "RuntimeError: peer gone" and "Traceback (most recent call last):" in lines
+    assert "after the file" not in path.read_text()
+    out = capsys.readouterr().out
+    assert "before the file" not in out and "inside" in out and "after the file" in out

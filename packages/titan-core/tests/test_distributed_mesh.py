@@ -135,3 +135,36 @@ def test_seeds_differ_across_pipeline_stages_only(mesh_results):
     assert len({next(iter(s)) for s in by_stage.values()}) == 2  # stages differ
     dp_layout = LAYOUTS.index(dict(dp_shard=4))
     assert len({seed for _, seed in mesh_results[0][dp_layout]["seeds"]}) == 1
+
+
+def test_flight_recorder_settings_do_not_outlive_the_job(tmp_path):
+    # In a fresh process: a job's TORCH_FR_* settings are undone when it ends, so that a later
+    # job (or a process started afterwards) does not take them for the user's own; a value
+    # the user set stays; the trace folder is the caller's to create.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import os
+        from titan_core import init_distributed
+        from titan_core.distributed import destroy_distributed
+        init_distributed("cpu", trace_buf_size=7, trace_dir={str(tmp_path / "traces")!r})
+        assert os.environ["TORCH_FR_BUFFER_SIZE"] == "7"
+        destroy_distributed()
+        assert "TORCH_FR_BUFFER_SIZE" not in os.environ and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+        os.environ["TORCH_FR_BUFFER_SIZE"] = "9"
+        init_distributed("cpu", trace_buf_size=7, trace_dir={str(tmp_path / "traces")!r})
+        destroy_distributed()
+        assert os.environ["TORCH_FR_BUFFER_SIZE"] == "9"
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert not (tmp_path / "traces").exists()

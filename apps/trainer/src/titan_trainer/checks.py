@@ -11,6 +11,7 @@ import torch
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
 from titan_core.device import resolve_device_type
 from titan_trainer.config import JobConfig
+from titan_trainer.logs import rank_problems
 from titan_trainer.optimizer import optimizer_problem
 
 
@@ -158,6 +159,7 @@ def preflight_problems(
         check_config(config, world_size)
     except ConfigError as e:
         return e.problems, notes, 0
+    problems += rank_problems(config.logging, world_size)
     dims = parallel_dims_for(config, world_size)
     device_type = "cuda" if dry_run else resolve_device_type(config.job.device)
     problems += titan_parallel.check_parallelize_config(

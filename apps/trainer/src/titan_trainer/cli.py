@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         from titan_trainer.dry_run import main_dry_run
 
         return main_dry_run(config)
+    from titan_trainer.logs import choose_console_ranks
+
+    choose_console_ranks(config.logging, world_size=world_size_from_env())
     problems, notes, _ = preflight_problems(config, world_size_from_env())
     if problems:
         print(ConfigError(problems), file=sys.stderr)

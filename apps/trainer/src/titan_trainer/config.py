@@ -173,6 +173,9 @@ class Metrics:
     """TensorBoard folder, relative to job.dump_folder."""
     peak_tflops: float | None = None
     """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
+    save_plots_folder: str = "plots"
+    """At the end of the run, loss, throughput and memory curves as PNG go here (relative to
+    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-trainer[plots])."""
     enable_wandb: bool = False
     """Log the same scalars to Weights & Biases (pip install 'titan-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
 
@@ -193,6 +196,26 @@ class Metrics:
                     "pip install 'titan-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
                 )
         return problems
+
+
+@dataclass
+class Logging:
+    ranks: str | None = None
+    """Ranks whose INFO lines reach the console: `0`, `0,3`, `0-3` or `all` (every rank shows
+    its warnings and errors). None: the LOG_RANK environment variable, else 0."""
+    folder: str = "logs"
+    """Each rank appends everything it logs to `<job.dump_folder>/<folder>/rank_<n>.log`;
+    empty turns the files off."""
+
+    def validate(self) -> list[str]:
+        from titan_trainer.logs import parse_ranks, ranks_text
+
+        try:
+            parse_ranks(ranks_text(self))
+        except ValueError as e:
+            where = "[logging] ranks" if self.ranks is not None else "LOG_RANK"
+            return [f"{where} = {ranks_text(self)!r}: {e}\nuse ranks such as 0, 0,3, 0-3 or all"]
+        return []
 
 
 @dataclass
@@ -293,6 +316,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     quantize: Quantize = field(default_factory=Quantize)
     metrics: Metrics = field(default_factory=Metrics)
+    logging: Logging = field(default_factory=Logging)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from titan_core import get_logger
+from titan_trainer.plots import event_folders, matplotlib_missing, read_scalars, write_run_plots
 
 log = get_logger("metrics")
 
@@ -58,7 +59,7 @@ MFU_ABOVE_100 = (
 
 
 class MetricsLogger:
-    """Writes the console line, TensorBoard scalars and W&B scalars, from rank 0."""
+    """Writes the metrics line (every rank), TensorBoard scalars and W&B scalars (rank 0)."""
 
     def __init__(
         self,
@@ -70,15 +71,24 @@ class MetricsLogger:
         enable_wandb: bool = False,
         run_name: str | None = None,
         run_config: dict | None = None,
+        plots_folder: str = "",
     ):
         self.rank = rank
         self.writer = None
         self.wandb_run = None
         self._warned_mfu = False
+        self.run_name = run_name or ""
+        self.tb_path = os.path.join(dump_folder, tb_folder)
+        # The end-of-run curves (rank 0), from this process's values when TensorBoard is off.
+        self.plots = os.path.join(dump_folder, plots_folder) if plots_folder and rank == 0 else ""
+        self.history: dict[str, dict[int, float]] = {}
+        if self.plots and matplotlib_missing():
+            log.info("plots: %s", matplotlib_missing())
+            self.plots = ""
         if enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            path = os.path.join(dump_folder, tb_folder, time.strftime("%Y%m%d-%H%M%S"))
+            path = os.path.join(self.tb_path, time.strftime("%Y%m%d-%H%M%S"))
             self.writer = SummaryWriter(path)
             log.info("TensorBoard: tensorboard --logdir %s", os.path.join(dump_folder, tb_folder))
         if enable_wandb and rank == 0:
@@ -95,14 +105,18 @@ class MetricsLogger:
             log.info("Weights & Biases: run %s (%s)", self.wandb_run.name, self.wandb_run.dir)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if self.rank == 0:
-            log.info(format_line(step, metrics))
-            if metrics.get("mfu_pct", 0.0) > 100 and not self._warned_mfu:
-                self._warned_mfu = True
-                log.warning(MFU_ABOVE_100, metrics["mfu_pct"])
+        # Every rank logs its line (its own log file, and the console for the ranks chosen
+        # there); the scalars are written once, from rank 0.
+        log.info(format_line(step, metrics))
+        if self.rank == 0 and metrics.get("mfu_pct", 0.0) > 100 and not self._warned_mfu:
+            self._warned_mfu = True
+            log.warning(MFU_ABOVE_100, metrics["mfu_pct"])
         self.log_scalars(step, metrics)
 
     def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
+        if self.plots:
+            for key, value in metrics.items():
+                self.history.setdefault(key, {})[step] = float(value)
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, step)
@@ -114,3 +128,17 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        if self.plots and self.history:
+            self._write_plots()
+
+    def _write_plots(self) -> None:
+        """loss, throughput and memory curves as PNG; of the whole run when TensorBoard holds
+        earlier starts of it (a resumed run), else of this process's steps."""
+        try:
+            resumed = self.writer is not None and len(event_folders(self.tb_path)) > 1
+            series = read_scalars(self.tb_path) if resumed else self.history
+            written = write_run_plots(series, self.plots, self.run_name)
+        except Exception as e:  # the run itself went well: say so, do not fail it here
+            log.warning("plots: could not draw the curves into %s: %s", self.plots, e)
+            return
+        log.info("plots: %s", ", ".join(written))

@@ -54,6 +54,7 @@ from titan_trainer.guards import (
     claim_run_folders,
     skipped_rows_total,
 )
+from titan_trainer.logs import rank_logging
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.optimizer import build_optimizer, current_lr
@@ -164,13 +165,14 @@ def train(config: JobConfig) -> TrainResult:
     try:
         # Before anything is written: one run per dump folder, and folders that take writes.
         lock = claim_run_folders(config, info.rank)
-        if config.comm.trace_buf_size:
+        if config.comm.trace_buf_size:  # where a timed-out collective's trace goes
             os.makedirs(trace_folder(config.job.dump_folder), exist_ok=True)
         try:
-            run = prepare(config, info)
-            if config.checkpoint.create_seed_checkpoint:
-                return write_seed_checkpoint(run)
-            return run_steps(run)
+            with rank_logging(config.logging, config.job.dump_folder, info.rank, info.world_size):
+                run = prepare(config, info)
+                if config.checkpoint.create_seed_checkpoint:
+                    return write_seed_checkpoint(run)
+                return run_steps(run)
         finally:
             if lock is not None:
                 lock.release()
@@ -373,6 +375,7 @@ def run_steps(run: Run) -> TrainResult:
             enable_wandb=config.metrics.enable_wandb,
             run_name=config.job.description,
             run_config=config_to_dict(config),
+            plots_folder=config.metrics.save_plots_folder,
         ),
         StepTimer(),
         MemoryMonitor(run.info.device),

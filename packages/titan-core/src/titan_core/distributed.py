@@ -39,15 +39,16 @@ def init_distributed(
     for `dump_flight_recorder`; 0 turns it off); None leaves torch's own setting (its
     `TORCH_FR_BUFFER_SIZE` variable) alone. With `trace_dir` (which the caller creates, once
     it knows the folder takes writes), NCCL's watchdog writes each rank's trace there when a
-    collective times out (`rank_<n>` files).
+    collective times out (`rank_<n>` files). An explicit variable in the environment wins;
+    `destroy_distributed` undoes what this set.
     """
     if trace_buf_size is not None and not dist.is_initialized():
-        # Read by torch when each process group is created, so they must be set before. The
-        # argument wins over the environment: it is what the caller's config asked for.
-        os.environ["TORCH_FR_BUFFER_SIZE"] = str(trace_buf_size)
+        # Read by torch when each process group is created, so they must be set before; the
+        # folder itself is the caller's to create (after it has checked that it may write there).
+        _set_env_default("TORCH_FR_BUFFER_SIZE", str(trace_buf_size))
         if trace_dir is not None and trace_buf_size > 0:
-            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-            os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(str(trace_dir), "rank_")
+            _set_env_default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+            _set_env_default("TORCH_FR_DUMP_TEMP_FILE", os.path.join(str(trace_dir), "rank_"))
     backend = backend_for(device_type)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -123,9 +124,23 @@ def _device_id(device: torch.device) -> torch.device | None:
     return device if device.type == "cuda" else None
 
 
+# The variables init_distributed set (not the user), undone by destroy_distributed: a later
+# job in this process, or a process it starts, must not inherit them as if they were the user's.
+_ENV_SET: dict[str, str] = {}
+
+
+def _set_env_default(name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = _ENV_SET[name] = value
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in list(_ENV_SET.items()):
+        if os.environ.get(name) == value:
+            del os.environ[name]
+        del _ENV_SET[name]
 
 
 def world_size_from_env() -> int:

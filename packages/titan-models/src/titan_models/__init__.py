@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from titan_models.generation import KVCache, Sampling, generate, next_token
 from titan_models.llama3 import (
     LlamaArgs,
     LlamaHFAdapter,
@@ -16,6 +17,10 @@ from titan_models.llama3 import (
 __version__ = importlib.metadata.version("titan-models")  # the pyproject's version, one source
 
 __all__ = [
+    "KVCache",
+    "Sampling",
+    "generate",
+    "next_token",
     "LlamaArgs",
     "LlamaHFAdapter",
     "Transformer",

@@ -34,6 +34,7 @@ from torch import nn
 
 from titan_core.init import ParamInit, init_from_plan_
 from titan_core.protocols import TPPlan
+from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.llama3.args import LlamaArgs
 from titan_models.llama3.flops import llama_flops_per_token
 from titan_models.llama3.rope import apply_rope, build_rope_cache
@@ -69,18 +70,32 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """`rope_cache` holds the rows of x's positions. With `kv_cache` (generation), x's
+        positions start at `start` and attend to the cached ones before them too."""
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        if kv_cache is not None:
+            k, v = kv_cache.update(start, k, v)
         # [batch, heads, seq, head_dim]; kv head i serves query heads i*n_rep .. (i+1)*n_rep-1.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if kv_cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = causal_mask(start, seq_len, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -112,8 +127,14 @@ class TransformerBlock(nn.Module):
         """This block's parameters, by name relative to the block."""
         return block_init_plan(self.layer_id, self.args)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -194,10 +215,26 @@ class Transformer(nn.Module):
         if missing:
             raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of `tokens`. With `kv_cache` (generation, see
+        `titan_models.generation`) the tokens continue the positions the cache holds, and
+        their keys and values join it."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, self.rope_cache)
+        if kv_cache is None:
+            for block in self.layers.values():
+                h = block(h, self.rope_cache)
+        else:
+            start, seq_len = kv_cache.pos, tokens.shape[1]
+            kv_cache.check_room(seq_len)
+            if start + seq_len > self.rope_cache.shape[0]:
+                raise ValueError(
+                    f"positions up to {start + seq_len}, but the model has {self.rope_cache.shape[0]}"
+                    " (its max_seq_len)"
+                )
+            rope = self.rope_cache[start : start + seq_len]
+            for name, block in self.layers.items():
+                h = block(h, rope, kv_cache.layer(name), start)
+            kv_cache.pos += seq_len
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

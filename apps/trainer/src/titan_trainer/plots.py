@@ -1,0 +1,125 @@
+"""A run's scalars read back from its TensorBoard events, and drawn as PNG curves.
+
+`read_scalars(folder)` reads every event file under a run folder (a resumed run writes one
+TensorBoard folder per start; a later value of a step replaces an earlier one). The curves need
+matplotlib (`pip install 'titan-trainer[plots]'`); without it `matplotlib_missing()` says so and
+nothing is drawn. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping, Sequence
+
+Series = dict[str, dict[int, float]]
+"""metric name -> step -> value"""
+
+MATPLOTLIB_MISSING = (
+    "matplotlib is not installed, so no PNG curves are drawn "
+    "(pip install 'titan-trainer[plots]', or uv sync --extra plots)"
+)
+
+# The curves at the end of every run: file name -> (title, metrics drawn, y label).
+RUN_PLOTS = {
+    "loss.png": ("loss", ("loss", "validation_loss"), "cross-entropy"),
+    "throughput.png": ("throughput", ("tokens_per_s",), "tokens/s per device"),
+    "memory.png": ("memory", ("mem_peak_gib",), "peak GiB"),
+}
+
+
+def matplotlib_missing() -> str | None:
+    """Why no curves can be drawn, or None when matplotlib is there."""
+    return None if importlib.util.find_spec("matplotlib") is not None else MATPLOTLIB_MISSING
+
+
+def event_folders(folder: str) -> list[str]:
+    """Every folder under `folder` (itself included) that holds TensorBoard event files."""
+    return sorted(
+        root
+        for root, _, files in os.walk(folder)
+        if any(f.startswith("events.out.tfevents.") for f in files)
+    )
+
+
+def read_scalars(folder: str) -> Series:
+    """Every scalar of every event file under `folder`, by metric and step."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    rows: list[tuple[float, str, int, float]] = []
+    for path in event_folders(folder):
+        events = EventAccumulator(path, size_guidance={SCALARS: 0})  # 0: keep every value
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            rows += [(e.wall_time, tag, e.step, e.value) for e in events.Scalars(tag)]
+    series: Series = {}
+    for _, tag, step, value in sorted(rows):  # by wall time: a resumed run's values win
+        series.setdefault(tag, {})[step] = value
+    return series
+
+
+def _figure(title: str, ylabel: str):
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    figure = Figure(figsize=(7, 4), dpi=100, layout="constrained")
+    axes = figure.subplots()
+    axes.set_title(title)
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
+    return figure, axes
+
+
+def write_run_plots(series: Series, out_folder: str, title: str = "") -> list[str]:
+    """loss.png, throughput.png and memory.png of one run into `out_folder` (those whose
+    metrics the run logged). Needs matplotlib."""
+    os.makedirs(out_folder, exist_ok=True)
+    written = []
+    for name, (what, metrics, ylabel) in RUN_PLOTS.items():
+        drawn = [m for m in metrics if series.get(m)]
+        if not drawn:
+            continue
+        figure, axes = _figure(f"{what}: {title}" if title else what, ylabel)
+        for metric in drawn:
+            steps = sorted(series[metric])
+            axes.plot(steps, [series[metric][s] for s in steps], marker=".", label=metric)
+        if len(drawn) > 1:
+            axes.legend()
+        path = os.path.join(out_folder, name)
+        figure.savefig(path)
+        written.append(path)
+    return written
+
+
+def write_comparison_plot(
+    runs: Mapping[str, Series], metrics: Sequence[str], path: str, reference: str
+) -> str:
+    """One panel per metric with a curve per run, and under each the difference of every
+    other run from `reference`. Needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 3.2 * len(metrics)), dpi=100, layout="constrained")
+    grid = figure.subplots(len(metrics) * 2, 1, squeeze=False, height_ratios=[3, 1] * len(metrics))
+    for i, metric in enumerate(metrics):
+        values, diffs = grid[2 * i][0], grid[2 * i + 1][0]
+        values.set_title(metric)
+        base = runs[reference].get(metric, {})
+        for name, series in runs.items():
+            curve = series.get(metric, {})
+            steps = sorted(curve)
+            values.plot(steps, [curve[s] for s in steps], marker=".", label=name)
+            if name != reference:
+                shared = sorted(set(curve) & set(base))
+                diffs.plot(shared, [curve[s] - base[s] for s in shared], marker=".", label=name)
+        values.legend(fontsize="small")
+        values.grid(alpha=0.3)
+        diffs.set_ylabel(f"- {reference}", fontsize="small")
+        diffs.axhline(0.0, color="grey", linewidth=0.5)
+        diffs.grid(alpha=0.3)
+        diffs.set_xlabel("step")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path)
+    return path

@@ -1,0 +1,126 @@
+"""`titan-compare` and the end-of-run curves, on real TensorBoard event files written by
+TensorBoard's own writer with known values (a trained run's are in test_parallel_e2e.py and
+test_shipped_files.py)."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import sys
+
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from titan_trainer.compare import main
+from titan_trainer.metrics import MetricsLogger
+from titan_trainer.plots import read_scalars
+
+STEPS = [1, 2, 3, 4, 5]
+LOSS_A = [5.5, 4.0, 3.0, 2.5, 2.25]
+LOSS_B = [5.5, 4.01, 3.05, 2.46, 2.26]  # differences 0, +0.01, +0.05, -0.04, +0.01
+
+
+def write_run(folder, loss, *, start=0, extra=True):
+    with SummaryWriter(str(folder)) as writer:
+        for step, value in zip(STEPS[start:], loss[start:]):
+            writer.add_scalar("loss", value, step)
+            if extra:
+                writer.add_scalar("tokens_per_s", 1000.0 * step, step)
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture
+def runs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_run(a / "tb" / "20250101-000000", LOSS_A)
+    # b was resumed: its first start logged wrong values for steps 3-5, its second start
+    # logged steps 3-5 again; the later values count.
+    write_run(b / "tb" / "20250101-000000", [*LOSS_B[:2], 9.0, 9.0, 9.0])
+    write_run(b / "tb" / "20250101-000100", LOSS_B, start=2)
+    return a, b
+
+
+def test_the_table_gives_first_last_and_largest_difference_per_metric(runs, tmp_path, capsys):
+    a, b = runs
+    assert read_scalars(str(b))["loss"] == pytest.approx(dict(zip(STEPS, LOSS_B)))
+    plot = tmp_path / "out" / "compare.png"
+    assert main([str(a), str(b), "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    loss = next(line for line in out if line.startswith("loss "))
+    # steps 1-5 shared; first 0, last +0.01, largest +0.05 at step 3 (float32 storage)
+    assert loss.split()[2:] == ["1-5", "(5)", "+0.000e+00", "+1.000e-02", "+5.000e-02", "3"]
+    tokens = next(line for line in out if line.startswith("tokens_per_s "))
+    assert tokens.split()[4:] == ["+0.000e+00", "+0.000e+00", "+0.000e+00", "1"]
+    width, height = png_size(plot)
+    assert width >= 600 and height >= 500  # two metrics, each with a difference panel
+
+
+def test_a_tolerance_fails_the_command_with_the_metric_step_and_size(runs, capsys):
+    a, b = runs
+    assert main([str(a), str(b), "--plot", "", "--tolerance", "0.06"]) == 0
+    assert "within tolerance 0.06: loss" in capsys.readouterr().out
+    assert main([str(a), str(b), "--plot", "", "--tolerance", "0.03"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"titan-compare: loss of {b} differs from {a} by +5.000e-02 at step 3, above the "
+        "tolerance 0.03\n"
+    )
+    # Relative: 0.05 / 3.0 at step 3 is the largest.
+    assert main([str(a), str(b), "--plot", "", "--relative", "--tolerance", "0.0166"]) == 1
+    assert main([str(a), str(b), "--plot", "", "--relative", "--tolerance", "0.0167"]) == 0
+
+
+def test_missing_scalars_and_metrics_are_named(runs, tmp_path, capsys):
+    a, b = runs
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(a), str(empty)]) == 2
+    assert f"titan-compare: error: {empty} holds no TensorBoard scalars" in capsys.readouterr().err
+    write_run(tmp_path / "c", LOSS_A, extra=False)
+    assert main([str(a), str(tmp_path / "c"), "--metric", "tokens_per_s"]) == 2
+    assert capsys.readouterr().err == (
+        f"titan-compare: error: tokens_per_s is not logged by {tmp_path / 'c'}\n"
+        "       metrics every run logged: loss\n"
+    )
+
+
+def test_every_run_ends_with_its_curves_as_png(tmp_path):
+    logger = MetricsLogger(str(tmp_path), "tb", False, 0, plots_folder="plots")
+    for step, loss in zip(STEPS, LOSS_A):
+        logger.log_scalars(step, {"loss": loss, "tokens_per_s": 10.0 * step, "mem_peak_gib": 1.0})
+    logger.log_scalars(5, {"validation_loss": 2.5})
+    logger.close()
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "loss.png",
+        "memory.png",
+        "throughput.png",
+    ]
+    assert png_size(tmp_path / "plots" / "loss.png") == (700, 400)
+
+
+def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # Python's way to make it unimportable
+    # Listen on the titan logger itself: it may not propagate (init_logging turns that off).
+    titan = logging.getLogger("titan")
+    records: list[logging.LogRecord] = []
+    listener = logging.Handler()
+    listener.emit = records.append
+    monkeypatch.setattr(titan, "level", logging.INFO)
+    titan.addHandler(listener)
+    try:
+        logger = MetricsLogger(str(tmp_path), "tb", False, 0, plots_folder="plots")
+        logger.log_scalars(1, {"loss": 5.0})
+        logger.close()
+    finally:
+        titan.removeHandler(listener)
+    assert not (tmp_path / "plots").exists()
+    said = [r.getMessage() for r in records if "matplotlib" in r.getMessage()]
+    assert said == [
+        "plots: matplotlib is not installed, so no PNG curves are drawn "
+        "(pip install 'titan-trainer[plots]', or uv sync --extra plots)"
+    ]
