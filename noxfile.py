@@ -134,17 +134,7 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
         " print('isolated: no other titan package importable')",
         *others,
     )
-    # Run from outside the repo so that only the installed wheel can be imported.
-    session.chdir(session.create_tmp())
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        f"--rootdir={ROOT}",
-        *_pytest_args(session, dist),
-    )
+    _pytest_outside_the_repo(session, *_pytest_args(session, dist))
 
 
 # What a compatibility run records: the Python and these, where installed.
@@ -154,6 +144,13 @@ _VERSIONS = (
     " sys.version.split()[0], *(f'{d} {m.version(d)}' for d in dict.fromkeys(sys.argv[1:])"
     " if u.find_spec(d)))"
 )
+
+
+def _pytest_outside_the_repo(session: nox.Session, *args: str) -> None:
+    """pytest in the session's venv, run from outside the repo so that only the installed
+    wheels can be imported (no source folder on sys.path)."""
+    session.chdir(session.create_tmp())
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args)
 
 
 def _requirement_name(requirement: str) -> str:
@@ -194,14 +191,8 @@ def packaging(session: nox.Session) -> None:
     session.install(*wheels, *(f"{w}[test]" for w in wheels if "titan_trainer-" in w))
     session.run("python", str(ROOT / "tools" / "check_packaging.py"), str(dist))
     JUNIT.mkdir(parents=True, exist_ok=True)
-    session.chdir(session.create_tmp())
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        f"--rootdir={ROOT}",
+    _pytest_outside_the_repo(
+        session,
         str(ROOT / "apps/trainer/tests/test_shipped_files.py"),
         str(ROOT / "tools"),
         f"--junitxml={JUNIT / 'packaging'}.xml",

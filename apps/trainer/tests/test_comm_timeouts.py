@@ -14,19 +14,26 @@ from pathlib import Path
 from conftest import DEBUG_TOML, run_cli
 
 
+def _tiny_run(folder) -> list[str]:
+    """The debug config at 64 tokens x 2 sequences, writing into `folder`."""
+    return [
+        "--job.config_file",
+        str(DEBUG_TOML),
+        "--job.dump_folder",
+        str(folder),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+    ]
+
+
 def test_a_stalled_rank_ends_the_job_within_the_training_timeout(tmp_path):
     stall = 120  # rank 1 waits this long before its 3rd batch; the others must not
     start = time.monotonic()
     result = run_cli(
         [
-            "--job.config_file",
-            str(DEBUG_TOML),
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
+            *_tiny_run(tmp_path),
             "--training.steps",
             "6",
             "--training.data_plugin",
@@ -83,14 +90,7 @@ def test_the_flight_recorder_is_off_with_a_zero_buffer_and_each_rank_logs_to_its
     # each rank writes every line, its rank first, to a file of its own.
     result = run_cli(
         [
-            "--job.config_file",
-            str(DEBUG_TOML),
-            "--job.dump_folder",
-            str(tmp_path),
-            "--training.seq_len",
-            "64",
-            "--training.local_batch_size",
-            "2",
+            *_tiny_run(tmp_path),
             "--training.steps",
             "2",
             "--comm.trace_buf_size",

@@ -11,18 +11,9 @@ import torch
 from parallel_testmodel import TinyArgs, TinyTransformer, cross_entropy
 
 from titan_parallel import AdamW, Ranger21, stochastic_round_to_bf16
+from titan_parallel.ranger21 import COMPONENTS
 
-OFF = dict(
-    agc=False,
-    gradient_centralization=False,
-    pnm=False,
-    norm_loss=False,
-    stable_weight_decay=False,
-    warmup=False,
-    warmdown=False,
-    lookahead=False,
-    softplus=False,
-)
+OFF = dict.fromkeys(COMPONENTS, False)
 
 
 def _model(seed: int = 0) -> TinyTransformer:

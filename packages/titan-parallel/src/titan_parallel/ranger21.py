@@ -64,6 +64,20 @@ from titan_parallel.sharded_stats import local, reduce_sums, row_sums_groups, to
 Core = Literal["adamw", "madgrad"]
 
 
+COMPONENTS = (
+    "agc",
+    "gradient_centralization",
+    "pnm",
+    "norm_loss",
+    "stable_weight_decay",
+    "warmup",
+    "warmdown",
+    "lookahead",
+    "softplus",
+)
+"""The switches of Ranger21's components (keyword arguments of `Ranger21`): all False is AdamW."""
+
+
 class Ranger21(Optimizer):
     """Ranger21 with every component switchable (see the module docstring for the formulas).
 
@@ -443,15 +457,7 @@ class AdamW(Ranger21):
             betas,
             eps,
             weight_decay,
-            agc=False,
-            gradient_centralization=False,
-            pnm=False,
-            norm_loss=False,
-            stable_weight_decay=False,
-            warmup=False,
-            warmdown=False,
-            lookahead=False,
-            softplus=False,
+            **dict.fromkeys(COMPONENTS, False),
             state_dtype=state_dtype,
         )
 
