@@ -50,6 +50,44 @@ RUN_ELSEWHERE = {
     f"{MAIN_JOB} --optimizer.name Ranger21 --training.steps 3": (
         "apps/trainer/tests/test_optimizer_plugins.py::test_readme_ranger21_command_trains_the_debug_model"
     ),
+    # The generation block, in order, from a scratch folder (training, conversion, generation
+    # from DCP, from Hugging Face files and under torchrun).
+    **dict.fromkeys(
+        [
+            "titan-train --job.config_file debug_model --training.steps 10 --training.seq_len 64 "
+            "--checkpoint.enable --job.dump_folder outputs/gen",
+            "titan-ckpt convert dcp-to-hf outputs/gen/checkpoint/step-10 outputs/gen_hf",
+            'titan-generate outputs/gen --prompt "The list" --max-new-tokens 50',
+            'titan-generate outputs/gen_hf --tokenizer byte --prompt "The list" --max-new-tokens 50',
+            "torchrun --standalone --nproc_per_node 2 -m titan_trainer.generate outputs/gen "
+            '--prompt "The list" --max-new-tokens 50',
+        ],
+        "apps/trainer/tests/test_generate.py::"
+        "test_greedy_text_is_the_same_from_dcp_tp_and_hf_and_equals_transformers",
+    ),
+    # Against a local Hugging Face cache (no network in CI).
+    **dict.fromkeys(
+        [
+            "titan-download meta-llama/Llama-3.1-8B",
+            "titan-download meta-llama/Llama-3.1-8B --assets tokenizer weights",
+        ],
+        "apps/trainer/tests/test_download.py::"
+        "test_the_readme_commands_place_the_assets_where_the_configs_look",
+    ),
+    # The README's comparison: the job again, and titan-compare on the two folders.
+    **dict.fromkeys(
+        [
+            "titan-train --job.config_file debug_model --training.steps 5 --job.dump_folder "
+            "outputs/again",
+            "titan-compare outputs/debug outputs/again --tolerance 1e-5",
+        ],
+        "apps/trainer/tests/test_shipped_files.py::"
+        "test_the_readme_runs_a_shipped_config_by_name_from_any_folder",
+    ),
+    "LOG_RANK=0,1 NGPU=2 apps/trainer/run_train.sh --training.steps 10": (
+        "apps/trainer/tests/test_shipped_files.py::"
+        "test_run_train_sh_finds_the_config_from_any_folder"
+    ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"
         "test_shipped_config_dry_runs_at_its_documented_size_and_fits"
@@ -78,7 +116,7 @@ def test_every_readme_command_is_run_by_a_test():
     for test in set(RUN_ELSEWHERE.values()):
         path, _, name = test.partition("::")
         assert (REPO / path).is_file(), test
-        if name:
+        if name:  # a test function that exists, not only its file
             assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), test
 
 
