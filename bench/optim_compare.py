@@ -1,8 +1,9 @@
-"""AdamW against Ranger21, and Ranger21 with each component off in turn, on the debug model:
-the same data, steps and seed; validation loss at fixed steps, as JSON lines, a Markdown
-table and a PNG plot written into the trainer's docs.
+"""AdamW against Ranger21, and Ranger21 with each component off in turn, on the debug model
+(or another flavor): the same data, steps and seed; validation loss at fixed steps, as JSON
+lines, a Markdown table and a PNG plot written into the trainer's docs.
 
     uv run python bench/optim_compare.py [--steps 120] [--every 20] [--out apps/trainer/docs]
+    uv run python bench/optim_compare.py --flavor 100M --variants AdamW Ranger21 ...
 
 Each variant is one training run of the trainer itself (`titan_trainer.train`), in this
 process, on the embedded corpus, validated on its held-out split.
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", default="apps/trainer/docs")
+    ap.add_argument("--flavor", default="debugmodel", help="model flavor (debugmodel, 100M, ...)")
+    ap.add_argument("--variants", nargs="*", help="names of the variants to run (default: all)")
     a = ap.parse_args()
     init_logging()
     handler = _ValidationLosses()
@@ -78,12 +81,19 @@ def main() -> None:
     for name in ("titan", "titan.train"):
         logging.getLogger(name).addHandler(handler)
     results = {}
-    for name, extra in variants().items():
+    chosen = variants()
+    unknown = set(a.variants or ()) - set(chosen)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {list(chosen)}")
+    for name, extra in chosen.items():
+        if a.variants and name not in a.variants:
+            continue
         handler.losses = {}
         with tempfile.TemporaryDirectory() as tmp:
             args = [
                 "--job.config_file", "debug_model",
                 "--job.dump_folder", tmp,
+                "--model.flavor", a.flavor,
                 "--training.steps", str(a.steps),
                 "--training.seq_len", str(a.seq_len),
                 "--training.local_batch_size", str(a.batch),
@@ -124,9 +134,12 @@ def write_docs(results: dict, a, out: Path) -> None:
         lines.append(
             f"| {name} | " + " | ".join(f"{r.get(s, float('nan')):.3f}" for s in steps) + " |"
         )
-    (out / "optimizer_comparison.md").write_text(
-        f"<!-- written by bench/optim_compare.py --steps {a.steps} --every {a.every} "
-        f"--seq-len {a.seq_len} --batch {a.batch} --lr {a.lr} -->\n" + "\n".join(lines) + "\n"
+    stem = "optimizer_comparison" + ("" if a.flavor == "debugmodel" else f"_{a.flavor}")
+    (out / f"{stem}.md").write_text(
+        f"<!-- written by bench/optim_compare.py --flavor {a.flavor} --steps {a.steps} "
+        f"--every {a.every} --seq-len {a.seq_len} --batch {a.batch} --lr {a.lr} -->\n"
+        + "\n".join(lines)
+        + "\n"
     )
     import matplotlib
 
@@ -139,10 +152,10 @@ def write_docs(results: dict, a, out: Path) -> None:
         ax.plot(list(r), list(r.values()), style, marker="o", markersize=3, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"debug model, lr {a.lr}, seq {a.seq_len} x batch {a.batch}, seed 0")
+    ax.set_title(f"{a.flavor}, lr {a.lr}, seq {a.seq_len} x batch {a.batch}, seed 0")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "optimizer_comparison.png", dpi=110)
+    fig.savefig(out / f"{stem}.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -153,3 +153,100 @@ def test_readme_ranger21_command_trains_the_debug_model(tmp_path):
     assert "Ranger21 schedules its own learning rate" in out
     losses = parse_losses(out)
     assert sorted(losses) == [1, 3] and all(v == v for v in losses.values()), losses
+
+
+def test_ranger21_state_reshards_from_fsdp2_x_tp2_to_one_process_and_to_fsdp2(
+    tmp_path, same_doc_dataset
+):
+    """Ranger21 trained 6 steps on 4 processes (FSDP2 x TP2) with a checkpoint at step 3; that
+    checkpoint resumed on 1 process and on 2 (FSDP2) continues with the 4-process losses, and
+    its step-6 optimizer state (both momentum buffers, the second moment, Lookahead's slow
+    weights, which merge at step 5, and the step counts) equals the 4-process one up to the
+    order of fp32 sums."""
+    from conftest import DEBUG_TOML, parse_losses, run_cli
+
+    def args(folder, *extra):
+        return [
+            *("--job.config_file", str(DEBUG_TOML), "--job.dump_folder", str(folder)),
+            *("--training.dataset", same_doc_dataset, "--training.seq_len", "128"),
+            *("--training.local_batch_size", "4", "--training.global_batch_size", "8"),
+            *("--training.steps", "6", "--training.mixed_precision_param", "float32"),
+            *("--optimizer.name", "Ranger21", "--optimizer.lr", "1e-2"),
+            *("--optimizer.ranger21.warmup_steps", "2"),
+            *("--checkpoint.enable", "--checkpoint.interval", "3"),
+            # Every sample is the same document: the data order cannot depend on the layout,
+            # and the loader's position (kept per data-parallel rank) is not carried over.
+            *("--checkpoint.exclude_from_loading", "dataloader"),
+            *("--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
+            *("--metrics.peak_tflops", "1", "--metrics.save_plots_folder", ""),
+            *extra,
+        ]
+
+    sharded = tmp_path / "fsdp2_x_tp2"
+    result = run_cli(
+        args(sharded, "--parallelism.data_parallel_shard_degree", "2",
+             "--parallelism.tensor_parallel_degree", "2"),
+        nproc=4,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    whole = parse_losses(result.stdout)
+    assert sorted(whole) == list(range(1, 7))
+    expected = load_consolidated(sharded / "checkpoint" / "step-6", "optimizer.", progress=False)
+    kinds = {k.rsplit(".", 1)[-1] for k in expected}
+    assert {"exp_avg", "exp_avg_neg", "exp_avg_sq", "slow", "step"} <= kinds, kinds
+
+    for name, nproc, layout in [
+        ("one_process", 1, []),
+        ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    ]:
+        folder = tmp_path / name
+        (folder / "checkpoint").mkdir(parents=True)
+        shutil.copytree(sharded / "checkpoint" / "step-3", folder / "checkpoint" / "step-3")
+        result = run_cli(args(folder, *layout), nproc=nproc)
+        assert result.returncode == 0, name + result.stdout[-3000:] + result.stderr[-3000:]
+        losses = parse_losses(result.stdout)
+        assert sorted(losses) == [4, 5, 6], (name, losses)
+        for step, loss in losses.items():
+            # The log prints 4 decimals; fp32 reduction orders differ by ~1e-6 relative.
+            assert loss == pytest.approx(whole[step], abs=2e-4), (name, step)
+        got = load_consolidated(folder / "checkpoint" / "step-6", "optimizer.", progress=False)
+        assert got.keys() == expected.keys(), name
+        for key, want in expected.items():
+            if key.endswith(".step"):
+                assert float(got[key]) == float(want) == 6, (name, key)
+                continue
+            err = float((got[key] - want).norm() / want.norm().clamp(min=1e-30))
+            # Measured: at most ~1e-6 (sums in another order, then 3 more steps).
+            assert err <= 1e-4, (name, key, err)
+
+
+def test_the_memory_check_counts_each_optimizers_own_states():
+    """The start-up memory check counts what each optimizer keeps per parameter (in float32
+    parameter sizes), as the optimizers themselves allocate it."""
+    from titan_parallel import AdamW, Ranger21
+    from titan_trainer.checks import optimizer_state_copies
+    from titan_trainer.config import Optimizer
+
+    def allocated(opt, p) -> float:
+        opt.step()
+        return sum(v.numel() * v.element_size() for v in opt.state[p].values() if v.dim() > 0) / (
+            p.numel() * p.element_size()
+        )
+
+    cases = [
+        (dict(name="AdamW"), lambda p: torch.optim.AdamW([p])),
+        (dict(name="AdamW", state_dtype="bfloat16"), lambda p: AdamW([p], state_dtype=torch.bfloat16)),
+        (dict(name="Ranger21"), lambda p: Ranger21([p], total_steps=10)),
+        (dict(name="Ranger21", state_dtype="bfloat16"),
+         lambda p: Ranger21([p], total_steps=10, state_dtype=torch.bfloat16)),
+    ]  # fmt: skip
+    for options, make in cases:
+        p = torch.nn.Parameter(torch.ones(8, 4))
+        p.grad = torch.ones(8, 4)
+        assert optimizer_state_copies(Optimizer(**options)) == allocated(make(p), p), options
+    ranger = Optimizer(name="Ranger21")
+    ranger.ranger21.core, ranger.ranger21.lookahead = "madgrad", False
+    p = torch.nn.Parameter(torch.ones(8, 4))
+    p.grad = torch.ones(8, 4)
+    opt = Ranger21([p], total_steps=10, core="madgrad", lookahead=False)
+    assert optimizer_state_copies(ranger) == allocated(opt, p) == 3

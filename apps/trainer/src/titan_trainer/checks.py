@@ -252,10 +252,27 @@ def _pipeline_problems(
     return []
 
 
-def state_memory_problem(parts, device: torch.device, optimizer_states: int = 2) -> str | None:
-    """Whether this rank's persistent state alone (parameter shards, their gradients and the
-    optimizer's states, counted from the meta-device model) exceeds the memory the device has
-    free. A cheap check before anything is allocated; `--dry-run` gives the full picture."""
+def optimizer_state_copies(optimizer) -> float:
+    """Parameter-sized copies the optimizer of an [optimizer] section keeps, in units of the
+    (float32) parameters' bytes: Adam's two moments; Ranger21's moments (three with
+    positive-negative momentum, MADGRAD's two sums and its x0) and Lookahead's slow weights;
+    bfloat16 moments count half. An optimizer from a plugin is assumed to keep Adam's two."""
+    moment = 0.5 if optimizer.state_dtype == "bfloat16" else 1.0
+    if optimizer.name == "Ranger21":
+        r = optimizer.ranger21
+        if r.core == "madgrad":
+            copies = 2 * moment + 1
+        else:
+            copies = (3 if r.pnm else 2) * moment
+        return copies + (1 if r.lookahead else 0)
+    return 2 * moment
+
+
+def state_memory_problem(parts, device: torch.device, optimizer_states: float = 2) -> str | None:
+    """Whether this rank's persistent state alone (parameter shards, their gradients and
+    `optimizer_states` parameter-sized optimizer copies, counted from the meta-device model)
+    exceeds the memory the device has free. A cheap check before anything is allocated;
+    `--dry-run` gives the full picture."""
     from torch.distributed.tensor import DTensor
 
     from titan_core import MemoryMonitor
@@ -264,7 +281,7 @@ def state_memory_problem(parts, device: torch.device, optimizer_states: int = 2)
     for part in parts:
         for p in part.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
-            nbytes += local.numel() * local.element_size() * (2 + optimizer_states)
+            nbytes += int(local.numel() * local.element_size() * (2 + optimizer_states))
     stats = MemoryMonitor(device).stats()
     free = _free_bytes(device, stats)
     if nbytes <= free:

@@ -40,7 +40,12 @@ from titan_core import (
     to_toml,
 )
 from titan_core.distributed import destroy_distributed
-from titan_trainer.checks import model_args_for, parallel_dims_for, state_memory_problem
+from titan_trainer.checks import (
+    model_args_for,
+    optimizer_state_copies,
+    parallel_dims_for,
+    state_memory_problem,
+)
 from titan_trainer.comm import (
     dump_trace,
     report_collective_failures,
@@ -190,7 +195,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
     converters = build_converters(config, dims)
     parts = build_model(config, runtime, tokenizer.vocab_size, converters)
-    problem = state_memory_problem(parts, info.device)
+    problem = state_memory_problem(parts, info.device, optimizer_state_copies(config.optimizer))
     if problem:  # before anything is allocated: this job cannot hold its state here
         raise ConfigError(problem)
     runtime.materialize(parts)

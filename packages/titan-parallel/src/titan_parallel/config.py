@@ -286,6 +286,10 @@ class Ranger21Options:
     """Pass the adaptive denominator through softplus (Tong et al. 2019, arXiv:1908.00700)."""
     softplus_beta: float = 50.0
     """Softplus sharpness: denominators below about 1 / beta are raised towards log(2) / beta."""
+    compiled_step: bool = False
+    """Take the step as three torch.compile'd kernels per parameter instead of foreach passes:
+    the same formulas with fewer passes over memory (see bench/optim.py), after a one-time
+    compile of tens of seconds per process on a CPU (cached by inductor across runs)."""
 
     def validate(self) -> list[str]:
         problems = []

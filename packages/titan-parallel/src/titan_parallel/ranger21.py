@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from titan_parallel import ranger21_kernels as kernels
 from titan_parallel.sharded_stats import local, reduce_sums, row_sums_groups, total_sums_groups
 
 Core = Literal["adamw", "madgrad"]
@@ -95,6 +96,11 @@ class Ranger21(Optimizer):
             1 still moves. Lookahead's slow weights and MADGRAD's x0 keep the parameters' dtype.
         pipeline_group: ranks holding other pipeline stages of the same model, over which the
             stable-weight-decay mean is taken too; None for a model that is not pipelined.
+        compiled: take the step as three torch.compile'd kernels per parameter
+            (`titan_parallel.ranger21_kernels`) instead of foreach passes: the same formulas
+            with fewer passes over memory, at the cost of compiling once per process (tens of
+            seconds on a CPU, cached by inductor across runs). Under fake tensors (the
+            trainer's dry run) the eager step runs instead.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class Ranger21(Optimizer):
         softplus_beta: float = 50.0,
         state_dtype: torch.dtype = torch.float32,
         pipeline_group: dist.ProcessGroup | None = None,
+        compiled: bool = False,
     ) -> None:
         problems = []
         if lr < 0:
@@ -172,6 +179,7 @@ class Ranger21(Optimizer):
         self.softplus, self.softplus_beta = softplus, softplus_beta
         self.state_dtype = state_dtype
         self.pipeline_group = pipeline_group
+        self.compiled = compiled
         # The trainer leaves the learning rate to an optimizer that schedules it itself.
         self.owns_lr_schedule = warmup or warmdown
         self._t: int | None = None
@@ -255,10 +263,10 @@ class Ranger21(Optimizer):
         torch._foreach_add_([self.state[p]["step"] for _, ps in groups for p in ps], 1.0)
 
         all_params = [p for _, ps in groups for p in ps]
+        fused = self.compiled and not is_fake(local(all_params[0]))
+        units = None
         if self.agc or self.gradient_centralization or self.norm_loss:
-            unit_norms = self._clip_and_centralize(all_params)
-        else:
-            unit_norms = None
+            units = self._unit_factors(all_params, fused)
 
         per_group = []
         for group, params in groups:
@@ -267,25 +275,26 @@ class Ranger21(Optimizer):
             grads = [local(p.grad) for p in params]
             names = ("grad_sum", "grad_sum_sq") if self.core == "madgrad" else ("exp_avg_sq",)
             second = self._moments(params, names[-1])
-            if self.core == "madgrad":
-                lamb = lr * math.sqrt(t)
-                first = self._moments(params, "grad_sum")
-                torch._foreach_add_(first, grads, alpha=lamb)
-                torch._foreach_addcmul_(second, grads, grads, value=lamb)
+            first = self._moments(params, "grad_sum") if self.core == "madgrad" else None
+            if fused:
+                sums = self._fused_second_moment(group, params, grads, lr, t, first, second, units)
             else:
-                b2 = group["betas"][1]
-                torch._foreach_mul_(second, b2)
-                torch._foreach_addcmul_(second, grads, grads, value=1 - b2)
-            per_group.append((group, params, grads, lr, second))
+                sums = None
+                self._eager_second_moment(group, grads, lr, t, first, second)
+            per_group.append((group, params, grads, lr, second, sums))
 
         v_bar = self._stable_decay_statistic(per_group, t) if self.stable_weight_decay else None
 
-        for group, params, grads, lr, second in per_group:
-            self._decay_and_norm_loss(group, params, lr, t, v_bar, unit_norms)
-            if self.core == "madgrad":
-                self._madgrad_step(group, params, lr, t, second)
+        for group, params, grads, lr, second, _ in per_group:
+            factors = self._decay_factors(group, params, lr, t, v_bar, units)
+            if fused:
+                self._fused_update(group, params, grads, lr, t, second, factors)
             else:
-                self._adamw_step(group, params, grads, lr, t, second)
+                self._apply_factors(params, factors)
+                if self.core == "madgrad":
+                    self._madgrad_step(group, params, lr, t, second)
+                else:
+                    self._adamw_step(group, params, grads, lr, t, second)
             self._store_moments(params)
 
         if self.lookahead and t % self.lookahead_steps == 0:
@@ -318,43 +327,108 @@ class Ranger21(Optimizer):
                 if work is not stored:
                     stored.copy_(stochastic_round_to_bf16(work))
 
-    def _clip_and_centralize(self, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Unit-wise clipping and centralization of the gradients, in place; returns each
-        parameter's unit norms (for the norm loss), all reduced over the ranks that hold
-        parts of the same units."""
+    def _unit_factors(self, params: list[torch.Tensor], fused: bool) -> dict[int, tuple]:
+        """Per unit (row) of each parameter, reduced over the ranks that hold parts of the same
+        units: (weight norm, clipping scale or None, centralization shift or None), shaped to
+        broadcast against the parameter. The eager step applies the clipping and the
+        centralization to the gradients here, in place; the fused one in its second kernel."""
         stats, groups = [], []
         for p in params:
             w, g = local(p), local(p.grad)
-            dims = tuple(range(1, w.ndim)) if w.ndim > 1 else None
-            rows = [_sq_norm(w, dims), _sq_norm(g, dims)]
-            rows.append(g.sum(dims) if dims else g.sum().reshape(1))
-            stats.append(torch.stack([r.float() for r in rows]))
+            if fused:
+                stats.append(kernels.compiled("unit_stats")(w, g))
+            else:
+                dims = tuple(range(1, w.ndim)) if w.ndim > 1 else None
+                rows = [_sq_norm(w, dims), _sq_norm(g, dims)]
+                rows.append(g.sum(dims) if dims else g.sum().reshape(1))
+                stats.append(torch.stack([r.float() for r in rows]))
             groups.append(row_sums_groups(p))
         reduce_sums(stats, groups)
-        norms = {}
+        out = {}
         for p, s in zip(params, stats):
             g = local(p.grad)
             shape = (-1,) + (1,) * (g.ndim - 1) if g.ndim > 1 else ()
             p_norm, g_norm, g_sum = s[0].sqrt(), s[1].sqrt(), s[2]
-            scale = None
+            scale = shift = None
             if self.agc:
                 limit = p_norm.clamp(min=self.agc_eps) * self.agc_clip
                 scale = torch.where(g_norm > limit, limit / g_norm.clamp(min=1e-6), 1.0)
-                g.mul_(scale.to(g.dtype).reshape(shape))
+                scale = scale.reshape(shape)
+                if not fused:
+                    g.mul_(scale.to(g.dtype))
             if self.gradient_centralization and g.ndim > 1:
-                mean = g_sum / (p.numel() // p.shape[0])  # global columns per row
+                shift = g_sum / (p.numel() // p.shape[0])  # global columns per row
                 if scale is not None:
-                    mean = mean * scale
-                g.sub_(mean.to(g.dtype).reshape(shape))
-            norms[id(p)] = p_norm.reshape(shape)
-        return norms
+                    shift = shift.reshape(shape) * scale
+                shift = shift.reshape(shape)
+                if not fused:
+                    g.sub_(shift.to(g.dtype))
+            out[id(p)] = (p_norm.reshape(shape), scale, shift)
+        return out
+
+    def _eager_second_moment(self, group, grads, lr, t, first, second) -> None:
+        if self.core == "madgrad":
+            lamb = lr * math.sqrt(t)
+            torch._foreach_add_(first, grads, alpha=lamb)
+            torch._foreach_addcmul_(second, grads, grads, value=lamb)
+        else:
+            b2 = group["betas"][1]
+            torch._foreach_mul_(second, b2)
+            torch._foreach_addcmul_(second, grads, grads, value=1 - b2)
+
+    def _fused_second_moment(self, group, params, grads, lr, t, first, second, units):
+        """The second kernel for each parameter; returns the sums of its second moment."""
+        sums = []
+        dev = grads[0].device
+        for i, (p, g) in enumerate(zip(params, grads)):
+            _, scale, shift = units[id(p)] if units is not None else (None, None, None)
+            if self.core == "madgrad":
+                lamb = torch.tensor(lr * math.sqrt(t), device=dev)
+                kernel = kernels.compiled("second_moment_madgrad")
+                sums.append(kernel(g, first[i], second[i], scale, shift, lamb))
+            else:
+                b2 = torch.tensor(group["betas"][1], device=dev)
+                kernel = kernels.compiled("second_moment_adamw")
+                sums.append(kernel(g, second[i], scale, shift, b2))
+        return sums
+
+    def _fused_update(self, group, params, grads, lr, t, second, factors) -> None:
+        """The third kernel for each parameter: decay and norm loss, then the core's step."""
+        dev = grads[0].device
+        T = lambda x: torch.tensor(x, dtype=torch.float32, device=dev)  # noqa: E731
+        beta = self.softplus_beta if self.softplus else None
+        eps = T(group["eps"])
+        if self.core == "madgrad":
+            c = T(1 - group["betas"][0])
+            grad_sum = [self._working[id(p)]["grad_sum"][1] for p in params]
+            kernel = kernels.compiled("madgrad_update")
+            for p, s, big_s, f in zip(params, grad_sum, second, factors):
+                x0 = local(self.state[p]["x0"])
+                kernel(local(p), s, big_s, x0, f, eps, c, beta)
+            return
+        b1, b2 = group["betas"]
+        if self.pnm:
+            b0 = self.pnm_beta0
+            pos = self._moments(params, "exp_avg")
+            neg = self._moments(params, "exp_avg_neg")
+            current, other = (pos, neg) if t % 2 == 1 else (neg, pos)
+            noise = math.sqrt((1 + b0) ** 2 + b0**2)
+            b1_t, c_cur, c_other = T(b1 * b1), T((1 + b0) / noise), T(b0 / noise)
+        else:
+            current, other = self._moments(params, "exp_avg"), [None] * len(params)
+            b1_t, c_cur, c_other = T(b1), T(1.0), T(0.0)
+        bias2, step_size = T(math.sqrt(1 - b2**t)), T(lr / (1 - b1**t))
+        kernel = kernels.compiled("adamw_update")
+        for p, g, m, mo, v, f in zip(params, grads, current, other, second, factors):
+            kernel(local(p), g, m, mo, v, f, b1_t, c_cur, c_other, bias2, eps, step_size, beta)
 
     def _stable_decay_statistic(self, per_group: list, t: int) -> torch.Tensor:
         """v_bar: the root (square for AdamW, cube for MADGRAD) of the mean second moment
         over every element of the model, on every rank."""
         partials, groups, count = [], [], 0
-        for group, params, _, _, second in per_group:
-            sums = torch._foreach_norm(second, 1)  # moments are >= 0: the L1 norm is the sum
+        for group, params, _, _, second, sums in per_group:
+            if sums is None:  # moments are >= 0: the L1 norm is the sum
+                sums = torch._foreach_norm(second, 1)
             scale = 1.0 if self.core == "madgrad" else 1.0 / (1 - group["betas"][1] ** t)
             for p, s in zip(params, sums):
                 partials.append((s.float() * scale).reshape(1))
@@ -367,23 +441,36 @@ class Ranger21(Optimizer):
         mean = total[0] / total[1]
         return mean.pow(1 / 3) if self.core == "madgrad" else mean.sqrt()
 
-    def _decay_and_norm_loss(self, group, params, lr, t, v_bar, unit_norms) -> None:
+    def _decay_factors(self, group, params, lr, t, v_bar, units) -> list:
+        """What each parameter is multiplied by before the core's step: the weight decay
+        (stable or decoupled) and the norm loss, per unit; None where nothing changes."""
         wd = group["weight_decay"]
-        ps = [local(p) for p in params]
         if v_bar is not None and wd:
             step = lr * math.sqrt(t) if self.core == "madgrad" else lr
             # A model whose gradients are all zero has v_bar 0: no decay then.
             decay = torch.where(v_bar > 0, 1 - step * wd / v_bar.clamp(min=1e-30), 1.0)
         else:
-            decay = torch.tensor(1.0 - lr * wd, device=ps[0].device)
+            decay = torch.tensor(1.0 - lr * wd, device=local(params[0]).device)
         if not self.norm_loss:
-            if wd:
-                torch._foreach_mul_(ps, decay)
-            return
-        for p, w in zip(params, ps):
-            norm = unit_norms[id(p)] * decay  # the norm after the decay: it scales every unit
+            return [decay if wd else None] * len(params)
+        out = []
+        for p in params:
+            norm = units[id(p)][0] * decay  # the norm after the decay: it scales every unit
             correction = 2 * self.norm_loss_factor * (1 - 1 / (norm + group["eps"]))
-            w.mul_((decay * (1 - lr * correction)).to(w.dtype))
+            out.append(decay * (1 - lr * correction))
+        return out
+
+    def _apply_factors(self, params, factors) -> None:
+        ps = [local(p) for p in params]
+        if all(f is None for f in factors):
+            return
+        if factors[0].dim() == 0 and all(f is factors[0] for f in factors):
+            # One scalar for all (no norm loss): one foreach pass.
+            torch._foreach_mul_(ps, factors[0])
+            return
+        for w, f in zip(ps, factors):
+            if f is not None:
+                w.mul_(f.to(w.dtype))
 
     def _adamw_step(self, group, params, grads, lr, t, second) -> None:
         b1, b2 = group["betas"]
@@ -419,6 +506,14 @@ class Ranger21(Optimizer):
             rms = [F.softplus(r, beta=self.softplus_beta) for r in rms]
         z = torch._foreach_addcdiv([local(self.state[p]["x0"]) for p in params], grad_sum, rms, -1)
         torch._foreach_lerp_(ps, z, 1 - group["betas"][0])
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (no data: the trainer's dry run), which compiled kernels
+    are not run on."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _sq_norm(x: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
@@ -500,4 +595,5 @@ def build_ranger21(
         softplus_beta=o.softplus_beta,
         state_dtype=getattr(torch, config.state_dtype),
         pipeline_group=pp_mesh.get_group() if pp_mesh is not None else None,
+        compiled=o.compiled_step,
     )
