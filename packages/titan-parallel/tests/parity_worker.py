@@ -95,6 +95,8 @@ def build_optimizer(name: str, params, pipeline_group=None) -> torch.optim.Optim
         return Ranger21(params, **RANGER21, pipeline_group=pipeline_group)
     if name == "ranger21_madgrad":
         return Ranger21(params, **RANGER21, core="madgrad", pipeline_group=pipeline_group)
+    if name == "ranger21_compiled":  # the fused kernels of ranger21_kernels
+        return Ranger21(params, **RANGER21, compiled=True, pipeline_group=pipeline_group)
     raise ValueError(name)
 
 

@@ -1,6 +1,7 @@
 """Ranger21, every component on, takes the steps one process takes under every layout: FSDP2
 (2 and 4 ranks), TP2 (column- and row-wise sharded weights), FSDP2 x TP2, HSDP, DDP, PP2 and
-PP2 x FSDP2; and the same optimizer with statistics taken on each rank's local shard does not.
+PP2 x FSDP2 (and its compiled step under FSDP2 x TP2); and the same optimizer with statistics
+taken on each rank's local shard does not.
 
 One spawn per world size (2 and 4 ranks, real gloo groups on CPU, both at once); each rank
 runs every case of its size: 5 steps of the tiny transformer on the parity matrix's batch
@@ -27,12 +28,14 @@ CASES_4 = [
     Case("ranger21_hsdp_2x2", 4, dp_replicate=2, dp_shard=2, **R),
     Case("ranger21_pp2_x_fsdp2", 4, pp=2, **R),
     Case("ranger21_madgrad_fsdp2_x_tp2", 4, tp=2, optimizer="ranger21_madgrad", steps=STEPS),
+    Case("ranger21_compiled_fsdp2_x_tp2", 4, tp=2, optimizer="ranger21_compiled", steps=STEPS),
 ]
 
 
 @pytest.fixture(scope="module")
 def refs() -> dict:
-    return {name: reference("tiny", name, STEPS) for name in ("ranger21", "ranger21_madgrad")}
+    names = ("ranger21", "ranger21_madgrad", "ranger21_compiled")
+    return {name: reference("tiny", name, STEPS) for name in names}
 
 
 @pytest.fixture(scope="module")
