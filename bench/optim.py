@@ -58,6 +58,7 @@ def main() -> None:
     # Each optimizer gets its own copy of the parameters (the same values and gradients).
     makers = {
         "AdamW foreach (torch)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        "AdamW fused (torch)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         "Ranger21": lambda ps: Ranger21(ps, lr=1e-3, total_steps=10_000),
         "Ranger21 compiled": lambda ps: Ranger21(ps, lr=1e-3, total_steps=10_000, compiled=True),
         "Ranger21 bf16 states": lambda ps: Ranger21(

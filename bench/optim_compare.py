@@ -147,9 +147,11 @@ def write_docs(results: dict, a, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in results.items():
+    colors = plt.get_cmap("tab20").colors  # 12 variants: no colour used twice
+    for i, (name, r) in enumerate(results.items()):
         style = "-" if name in ("AdamW", "Ranger21") else ":"
-        ax.plot(list(r), list(r.values()), style, marker="o", markersize=3, label=name)
+        ax.plot(list(r), list(r.values()), style, marker="o", markersize=3, label=name,
+                color=colors[i % len(colors)])  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
     ax.set_title(f"{a.flavor}, lr {a.lr}, seq {a.seq_len} x batch {a.batch}, seed 0")

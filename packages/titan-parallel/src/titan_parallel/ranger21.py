@@ -385,11 +385,11 @@ class Ranger21(Optimizer):
             if self.core == "madgrad":
                 lamb = torch.tensor(lr * math.sqrt(t), device=dev)
                 kernel = kernels.compiled("second_moment_madgrad")
-                sums.append(kernel(g, first[i], second[i], scale, shift, lamb))
+                sums.append(kernel(g, first[i], second[i], scale, shift, lamb).sum())
             else:
                 b2 = torch.tensor(group["betas"][1], device=dev)
                 kernel = kernels.compiled("second_moment_adamw")
-                sums.append(kernel(g, second[i], scale, shift, b2))
+                sums.append(kernel(g, second[i], scale, shift, b2).sum())
         return sums
 
     def _fused_update(self, group, params, grads, lr, t, second, factors) -> None:
