@@ -19,20 +19,9 @@ import tempfile
 from pathlib import Path
 
 from titan_core import init_logging, load_config
+from titan_parallel.ranger21 import COMPONENTS
 from titan_trainer.config import JobConfig
 from titan_trainer.train import train
-
-COMPONENTS = [
-    "agc",
-    "gradient_centralization",
-    "pnm",
-    "norm_loss",
-    "stable_weight_decay",
-    "warmup",
-    "warmdown",
-    "lookahead",
-    "softplus",
-]
 
 
 class _ValidationLosses(logging.Handler):

@@ -47,22 +47,15 @@ def build_optimizer(
     if cfg.name not in BUILT_IN:
         factory = resolve(plugins.OPTIMIZERS, cfg.name)
         return factory(params, cfg, total_steps=total_steps, dims=dims)
+    kwargs = dict(
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
     if cfg.state_dtype != "float32":
         # torch's AdamW keeps its moments in the parameters' dtype; titan-parallel's AdamW
         # takes the same steps with moments stored in bfloat16.
         from titan_parallel import AdamW
 
-        return AdamW(
-            params,
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            state_dtype=getattr(torch, cfg.state_dtype),
-        )
-    kwargs = dict(
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+        return AdamW(params, **kwargs, state_dtype=getattr(torch, cfg.state_dtype))
     cls = BUILT_IN[cfg.name]
     if cfg.implementation == "fused":
         try:

@@ -49,6 +49,7 @@ the step one process takes on the full tensors, up to the order of floating-poin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -380,15 +381,17 @@ class Ranger21(Optimizer):
         """The second kernel for each parameter; returns the sums of its second moment."""
         sums = []
         dev = grads[0].device
+        if self.core == "madgrad":
+            lamb = torch.tensor(lr * math.sqrt(t), device=dev)
+            kernel = kernels.compiled("second_moment_madgrad")
+        else:
+            b2 = torch.tensor(group["betas"][1], device=dev)
+            kernel = kernels.compiled("second_moment_adamw")
         for i, (p, g) in enumerate(zip(params, grads)):
             _, scale, shift = units[id(p)] if units is not None else (None, None, None)
             if self.core == "madgrad":
-                lamb = torch.tensor(lr * math.sqrt(t), device=dev)
-                kernel = kernels.compiled("second_moment_madgrad")
                 sums.append(kernel(g, first[i], second[i], scale, shift, lamb).sum())
             else:
-                b2 = torch.tensor(group["betas"][1], device=dev)
-                kernel = kernels.compiled("second_moment_adamw")
                 sums.append(kernel(g, second[i], scale, shift, b2).sum())
         return sums
 
@@ -564,36 +567,18 @@ def build_ranger21(
     (lr, beta1, beta2, eps, state_dtype, and the [optimizer.ranger21] switches, a
     `Ranger21Options`) for a run of `total_steps` steps laid out as `dims` (its pipeline mesh
     carries the stable-weight-decay mean across stages)."""
-    o = config.ranger21
+    options = dataclasses.asdict(config.ranger21)  # every switch, under its keyword's name
+    options["compiled"] = options.pop("compiled_step")
+    if options["warmup_steps"] == -1:
+        options["warmup_steps"] = None  # automatic length
     pp_mesh = dims.mesh("pp") if dims is not None else None
     return Ranger21(
         params,
         lr=config.lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,
-        weight_decay=o.weight_decay,
-        core=o.core,
-        agc=o.agc,
-        agc_clip=o.agc_clip,
-        agc_eps=o.agc_eps,
-        gradient_centralization=o.gradient_centralization,
-        pnm=o.pnm,
-        pnm_beta0=o.pnm_beta0,
-        norm_loss=o.norm_loss,
-        norm_loss_factor=o.norm_loss_factor,
-        stable_weight_decay=o.stable_weight_decay,
-        warmup=o.warmup,
-        warmup_steps=None if o.warmup_steps == -1 else o.warmup_steps,
-        warmdown=o.warmdown,
-        warmdown_start_pct=o.warmdown_start_pct,
-        warmdown_min_lr=o.warmdown_min_lr,
+        **options,
         total_steps=total_steps,
-        lookahead=o.lookahead,
-        lookahead_steps=o.lookahead_steps,
-        lookahead_alpha=o.lookahead_alpha,
-        softplus=o.softplus,
-        softplus_beta=o.softplus_beta,
         state_dtype=getattr(torch, config.state_dtype),
         pipeline_group=pp_mesh.get_group() if pp_mesh is not None else None,
-        compiled=o.compiled_step,
     )
