@@ -388,7 +388,7 @@ def run_steps(run: Run) -> TrainResult:
         run.runtime.flops_per_token,
     )
     validator = build_validator(run) if config.validation.enable else None
-    guard = StepGuard(run.optimizer)
+    guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
     batches = iter(run.loader)
     tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
     start_step = state.step
@@ -476,8 +476,9 @@ def train_step(
         total += runtime.forward_backward(model_parts, inputs, labels, scale=1.0 / accum)
     grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
     loss = runtime.reduce_loss(total)
-    guard.before_step(step, loss, grad_norm)  # a NaN or inf step is skipped, never applied
-    optimizer.step()
+    # A NaN or inf step is never applied: skipped on the device, or here.
+    if guard.before_step(step, loss, grad_norm):
+        optimizer.step()
     return loss, grad_norm
 
 
@@ -489,6 +490,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     _, loss, grad_norm = rows[-1]
     values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
+    values["skipped_steps"] = guard.skipped
     window.metrics.log(run.state.step, values)
     window.timer.reset()
 
