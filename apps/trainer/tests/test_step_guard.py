@@ -245,6 +245,7 @@ def test_nan_gradients_on_one_rank_are_skipped_then_stop_the_run_with_finite_che
     assert result.returncode != 0, out[-3000:]
     assert "step 8: loss nan" in out and "3 non-finite steps in a row" in out, out[-3000:]
     assert "max_nonfinite_in_a_row = 2" in out and "resume from the last checkpoint" in out
+    assert "Rank 1's own loss was not finite first, at step 3" in out, out[-3000:]
     assert "update skipped" in out and "skipped steps 2" in out
     losses = parse_losses(result.stdout)
     assert all(losses[s] == losses[s] for s in (1, 2, 5))  # finite where nothing was poisoned

@@ -92,12 +92,27 @@ class StepGuard:
         self._last_bad: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
         self._streak = 0  # on the host, for optimizers checked there
+        # First step at which this rank's own loss (before the reduction) was not finite.
+        self._local_first: torch.Tensor | None = None
 
-    def before_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Call between clipping and `optimizer.step()`, on every rank (the values are global).
+    def before_step(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        local_loss: torch.Tensor | None = None,
+    ) -> bool:
+        """Call between clipping and `optimizer.step()`, on every rank (the values are global;
+        `local_loss`, this rank's own before the reduction, lets an error name the rank).
         Returns whether to call `optimizer.step()`: False for a bad step that the host has
         seen and skips (an optimizer that cannot skip on the device)."""
         loss, grad_norm = loss.detach().float(), grad_norm.detach().float().to(loss.device)
+        if local_loss is not None:
+            own_bad = ~torch.isfinite(local_loss.detach().float().to(loss.device))
+            if self._local_first is None:
+                self._local_first = torch.full((), float("nan"), device=loss.device)
+            first = own_bad & torch.isnan(self._local_first)
+            self._local_first = torch.where(first, float(step), self._local_first)
         self._pending.append((step, loss, grad_norm))
         bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if not self.on_device:
@@ -167,9 +182,32 @@ class StepGuard:
             what = f"that update{earlier} was not applied"
         return NonFiniteStepError(
             f"step {step}: loss {loss} and grad_norm {grad_norm}: not finite; {what}, so the"
-            " weights and every checkpoint hold finite values; stopping. Lower [optimizer] lr,"
-            " or check the data; resume from the last checkpoint"
+            f" weights and every checkpoint hold finite values; stopping. {self._origin()}."
+            " Lower [optimizer] lr, or check the data; resume from the last checkpoint"
         )
+
+    def _origin(self) -> str:
+        """Which ranks' own losses went non-finite first: one all-gather, on the error path
+        only (every rank reaches it at the same step, the verdict being global)."""
+        mine = self._local_first
+        if mine is None:
+            return "Where it began is not known (no per-rank loss was given)"
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            firsts = [float(t) for t in every]
+        else:
+            firsts = [float(mine)]
+        seen = [(s, r) for r, s in enumerate(firsts) if s == s]  # not NaN: it went bad
+        if not seen:
+            return (
+                "Every rank's own loss was finite: the gradients went non-finite in the backward"
+                " pass or their reduction"
+            )
+        step = min(s for s, _ in seen)
+        ranks = [r for s, r in seen if s == step]
+        names = ", ".join(map(str, ranks))
+        return f"Rank{'s' if len(ranks) > 1 else ''} {names}'s own loss was not finite first, at step {int(step)}"
 
 
 def skipped_rows_total(loader, dp_mesh, device: torch.device) -> int:

@@ -477,7 +477,7 @@ def train_step(
     grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
     loss = runtime.reduce_loss(total)
     # A NaN or inf step is never applied: skipped on the device, or here.
-    if guard.before_step(step, loss, grad_norm):
+    if guard.before_step(step, loss, grad_norm, local_loss=total):
         optimizer.step()
     return loss, grad_norm
 
