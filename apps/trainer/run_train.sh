@@ -6,6 +6,8 @@
 # debug_model; `titan-train --list-configs`). LOG_RANK: ranks whose INFO lines reach the console
 # (default 0; e.g. 0,3 or all; every rank shows warnings and errors, and writes all its lines to
 # <dump_folder>/logs/rank_<n>.log; the [logging] section of the config says the same).
+# MAX_RESTARTS: how often torchrun restarts every rank after one fails (default 0); each restart
+# resumes from the newest complete checkpoint.
 # Extra arguments override the TOML. The run writes under the current folder (job.dump_folder).
 set -euo pipefail
 
@@ -16,5 +18,5 @@ if [ -z "${NGPU:-}" ]; then
 fi
 export LOG_RANK=${LOG_RANK:-0}
 
-exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+exec torchrun --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     -m titan_trainer --job.config_file "$CONFIG_FILE" "$@"

@@ -88,6 +88,11 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_shipped_files.py::"
         "test_run_train_sh_finds_the_config_from_any_folder"
     ),
+    "MAX_RESTARTS=3 NGPU=2 apps/trainer/run_train.sh --checkpoint.enable --checkpoint.interval 3 "
+    "--training.steps 10": (
+        "apps/trainer/tests/test_elastic_restart.py::"
+        "test_a_killed_rank_is_restarted_and_the_job_ends_as_if_nothing_failed"
+    ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"
         "test_shipped_config_dry_runs_at_its_documented_size_and_fits"

@@ -138,3 +138,119 @@ def test_an_optimizer_that_cannot_skip_is_checked_on_the_host_before_its_step(tr
     assert not guard.on_device
     with pytest.raises(NonFiniteStepError, match=r"^step 7: loss inf and grad_norm 1\.0"):
         guard.before_step(7, torch.tensor(float("inf")), torch.tensor(1.0))
+
+
+def _bad_step(trainer_parts, optimizer, guard, step) -> bool:
+    """Step `step` as train_step runs it, with a loss that came out NaN; returns whether the
+    guard let the optimizer step."""
+    cfg, runtime, parts, batches = trainer_parts
+    optimizer.zero_grad(set_to_none=True)
+    inputs, labels = next(batches)
+    runtime.forward_backward(parts, inputs, labels, scale=1.0)
+    grad_norm = runtime.clip_grad_norm(parts, cfg.training.max_norm)
+    go = guard.before_step(step, torch.tensor(float("nan")), grad_norm)
+    if go:
+        optimizer.step()
+    return go
+
+
+def test_up_to_n_bad_steps_in_a_row_are_skipped_and_counted_on_the_device(trainer_parts, caplog):
+    cfg, _, parts, _ = trainer_parts
+    optimizer = build_optimizer(parts, cfg.optimizer)
+    guard = StepGuard(optimizer, max_in_a_row=2)
+    _step(trainer_parts, optimizer, guard, 1)
+    before = _snapshot(parts, optimizer)
+    assert _bad_step(trainer_parts, optimizer, guard, 2) and _bad_step(
+        trainer_parts, optimizer, guard, 3
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before[0], _snapshot(parts, optimizer)[0]))
+    _step(trainer_parts, optimizer, guard, 4)  # the streak ends: the run goes on
+    with caplog.at_level("WARNING", logger="titan"):
+        rows = guard.read()
+    assert [r[0] for r in rows] == [1, 2, 3, 4] and guard.skipped == 2
+    assert "step 3: loss nan" in caplog.text and "update skipped (2 skipped" in caplog.text
+    for step in (5, 6, 7):  # three in a row: one more than allowed
+        _bad_step(trainer_parts, optimizer, guard, step)
+    with pytest.raises(NonFiniteStepError) as info:
+        guard.read()
+    assert str(info.value).startswith("step 7: loss nan")
+    assert "3 non-finite steps in a row, more than [training] max_nonfinite_in_a_row = 2" in str(
+        info.value
+    )
+    assert guard.skipped == 5
+
+
+def test_an_optimizer_checked_on_the_host_skips_its_step_and_stops_after_n(trainer_parts):
+    cfg, _, parts, _ = trainer_parts
+    cfg.optimizer.implementation = "foreach"
+    try:
+        optimizer = build_optimizer(parts, cfg.optimizer)
+    finally:
+        cfg.optimizer.implementation = "fused"
+    guard = StepGuard(optimizer, max_in_a_row=1)
+    _step(trainer_parts, optimizer, guard, 1)
+    before = _snapshot(parts, optimizer)
+    assert not _bad_step(trainer_parts, optimizer, guard, 2)  # skipped: no optimizer step
+    assert all(torch.equal(a, b) for a, b in zip(before[0], _snapshot(parts, optimizer)[0]))
+    assert guard.skipped == 1
+    _step(trainer_parts, optimizer, guard, 3)
+    assert not _bad_step(trainer_parts, optimizer, guard, 4)  # a new streak of one
+    with pytest.raises(NonFiniteStepError, match="2 non-finite steps in a row"):
+        _bad_step(trainer_parts, optimizer, guard, 5)
+    assert [r[0] for r in guard.read()] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [["--optimizer.name", "AdamW"], ["--optimizer.name", "AdamW", "--optimizer.implementation",
+                                     "foreach"]],
+    ids=["fused_skips_on_the_device", "foreach_skips_on_the_host"],
+)  # fmt: skip
+def test_nan_gradients_on_one_rank_are_skipped_then_stop_the_run_with_finite_checkpoints(
+    tmp_path, optimizer
+):
+    """2 processes (FSDP2); rank 1's output, and so its gradients, turn NaN at steps 3 and 4,
+    then at 6, 7 and 8. With max_nonfinite_in_a_row = 2 the first two are skipped and counted
+    and training goes on; the third in a row stops the run at step 8 with the step and the
+    fix. Every checkpoint written (skipped steps included) holds finite values."""
+    import os
+    import sys
+    from pathlib import Path
+
+    from conftest import DEBUG_TOML, parse_losses, run_cli
+
+    from titan_ckpt import nonfinite_tensors
+
+    tests = str(Path(__file__).parent)
+
+    def run(folder, steps: str):
+        args = [
+            *("--job.config_file", str(DEBUG_TOML), "--job.dump_folder", str(folder)),
+            *("--model.name", "nan_model:spec", "--training.seq_len", "64"),
+            *("--training.local_batch_size", "2", "--training.steps", "8"),
+            *("--training.mixed_precision_param", "float32"),
+            *("--training.max_nonfinite_in_a_row", "2"),
+            *("--parallelism.data_parallel_shard_degree", "2"),
+            *("--checkpoint.enable", "--checkpoint.interval", "1"),
+            *("--checkpoint.keep_latest_k", "0"),
+            *("--metrics.enable_tensorboard", "false", "--metrics.log_freq", "1"),
+            *("--metrics.save_plots_folder", ""),
+            *optimizer,
+        ]
+        env = {"TITAN_TEST_NAN_STEPS": steps, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+        return run_cli(args, nproc=2, env_extra=env)
+
+    result = run(tmp_path / "nan", "3,4,6,7,8")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "step 8: loss nan" in out and "3 non-finite steps in a row" in out, out[-3000:]
+    assert "max_nonfinite_in_a_row = 2" in out and "resume from the last checkpoint" in out
+    assert "Rank 1's own loss was not finite first, at step 3" in out, out[-3000:]
+    assert "update skipped" in out and "skipped steps 2" in out
+    losses = parse_losses(result.stdout)
+    assert all(losses[s] == losses[s] for s in (1, 2, 5))  # finite where nothing was poisoned
+    saved = sorted(p.name for p in (tmp_path / "nan" / "checkpoint").glob("step-*"))
+    assert "step-7" in saved and "step-8" not in saved, saved
+    for step in saved:
+        bad = nonfinite_tensors(tmp_path / "nan" / "checkpoint" / step, progress=False)
+        assert bad == [], (step, bad)

@@ -168,3 +168,49 @@ def test_flight_recorder_settings_do_not_outlive_the_job(tmp_path):
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert not (tmp_path / "traces").exists()
+
+
+def test_a_torchrun_restart_joins_its_own_attempt_not_the_failed_one(tmp_path):
+    # torchrun --max-restarts keeps one store for every attempt of a job. Attempt 0: both ranks
+    # join and all-reduce, then rank 1 exits with an error and torchrun restarts both. In
+    # attempt 1 rank 1 joins 3 s late: had rank 0 read the failed attempt's address of rank 1
+    # (still in the store without the per-attempt keys), it would wait on a dead peer until the
+    # 30 s timeout; it must wait for the new rank 1 instead and finish.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "restart_job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            import torch
+            import torch.distributed as dist
+            from titan_core import init_distributed
+            from titan_core.distributed import destroy_distributed
+            attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+            if attempt == 1 and rank == 1:
+                time.sleep(3)
+            start = time.monotonic()
+            info = init_distributed("cpu", timeout_seconds=30)
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2
+            if attempt == 0 and rank == 1:
+                os._exit(1)
+            if attempt == 0:
+                dist.all_reduce(t)  # rank 1 has gone: this fails, torchrun restarts the job
+            print(f"attempt {attempt} rank {rank} joined in {time.monotonic() - start:.1f} s")
+            destroy_distributed()
+            """
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--max-restarts", "1", str(script)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "attempt 1 rank 0 joined" in done.stdout and "attempt 1 rank 1 joined" in done.stdout

@@ -25,7 +25,13 @@ log = get_logger("comm")
 
 # How the backends word a collective that did not complete.
 _TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "Broken pipe",
+    "Socket closed",
+)
 
 
 class CollectiveError(RuntimeError):
@@ -54,12 +60,42 @@ def start_training_timeout(comm, step: int) -> None:
     )
 
 
+def torchrun_restarts() -> tuple[int, int]:
+    """(this attempt's restart number, the most torchrun allows): (0, 0) outside torchrun or
+    without `--max-restarts`."""
+    return (
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+    )
+
+
+def resume_advice() -> str:
+    """What happens next after a rank is lost: torchrun's restart when one is left, else the
+    command to run."""
+    done, allowed = torchrun_restarts()
+    if done < allowed:
+        return (
+            f"torchrun restarts the job from the newest complete checkpoint by itself"
+            f" (restart {done + 1} of {allowed}, --max-restarts)"
+        )
+    if allowed:
+        return (
+            f"torchrun's {allowed} restart(s) are used up: run the same command again to resume"
+            " from the newest complete checkpoint"
+        )
+    return (
+        "run the same command again to resume from the newest complete checkpoint, or launch"
+        " with torchrun --max-restarts N (MAX_RESTARTS=N run_train.sh) to have it restarted"
+        " by itself"
+    )
+
+
 @contextlib.contextmanager
 def report_collective_failures(
-    comm, dump_folder: str, rank: int, started: Callable[[], bool]
+    comm, dump_folder: str, rank: int, started: Callable[[], bool], step: Callable[[], int]
 ) -> Iterator[None]:
-    """Turn a timed-out or broken collective into a `CollectiveError` that says what happened
-    and where this rank's flight-recorder trace went."""
+    """Turn a timed-out or broken collective into a `CollectiveError` that says what happened,
+    in which step, where this rank's flight-recorder trace went and what to do next."""
     try:
         yield
     except RuntimeError as e:  # DistBackendError is one too
@@ -76,10 +112,10 @@ def report_collective_failures(
             else (comm.init_timeout_seconds, "init_timeout_seconds")
         )
         what = (
-            f"a collective did not complete within {seconds} s ([comm] {key}) on rank {rank}:"
-            " another rank stalled or died"
+            f"a collective did not complete within {seconds} s ([comm] {key}) on rank {rank}"
+            f" in step {step()}: another rank stalled or died"
             if timed_out
-            else f"rank {rank} lost a peer during a collective: another rank died"
+            else f"rank {rank} lost a peer during a collective in step {step()}: another rank died"
         )
         trace = (
             f"\nthis rank's last collectives: {path}"
@@ -88,7 +124,7 @@ def report_collective_failures(
             else ""
         )
         raise CollectiveError(
-            f"{what}; its log says why\n"
+            f"{what}; its log (or torchrun's report of its exit code) says why\n"
             f"{'raise [comm] ' + key + ' if that rank is only slow; ' if timed_out else ''}"
-            f"the last complete checkpoint is the one to resume from{trace}"
+            f"{resume_advice()}{trace}"
         ) from e

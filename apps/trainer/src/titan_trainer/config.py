@@ -128,6 +128,11 @@ class Training:
     """Tokens per sample."""
     max_norm: float = 1.0
     """Clip the global gradient norm to this (0 turns clipping off)."""
+    max_nonfinite_in_a_row: int = 0
+    """A step whose loss or gradient norm is NaN or inf is never applied. 0: the run stops at the
+    next metrics line (at once for an optimizer that cannot skip on the device); N > 0: up to N
+    such steps in a row are skipped and counted (`skipped_steps` in the metrics) and training
+    goes on; one more stops the run."""
     steps: int = 10000
     """Optimizer steps to train for."""
     mixed_precision_param: Dtype = "bfloat16"
@@ -155,6 +160,11 @@ class Training:
             problems.append(
                 f"[training] global_batch_size = {self.global_batch_size} is not valid\n"
                 "use a positive number of samples, or -1 for local_batch_size x data-parallel degree"
+            )
+        if self.max_nonfinite_in_a_row < 0:
+            problems.append(
+                f"[training] max_nonfinite_in_a_row = {self.max_nonfinite_in_a_row} is not valid\n"
+                "use 0 (stop at the first) or the number of bad steps in a row to skip"
             )
         if self.max_norm < 0:
             problems.append(

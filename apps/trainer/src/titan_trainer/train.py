@@ -50,6 +50,7 @@ from titan_trainer.comm import (
     dump_trace,
     report_collective_failures,
     start_training_timeout,
+    torchrun_restarts,
     trace_folder,
 )
 from titan_trainer.config import JobConfig
@@ -312,6 +313,30 @@ def restore_or_initialise(run: Run) -> None:
         log.info(
             "resumed at step %d (%s tokens seen)", run.state.step, f"{run.state.tokens_seen:,}"
         )
+    note_torchrun_restart(run, loaded)
+
+
+def note_torchrun_restart(run: Run, loaded: int | None) -> None:
+    """Under `torchrun --max-restarts`, say which attempt this is and where it starts; warn
+    when a restart could only start over (no checkpoints)."""
+    done, allowed = torchrun_restarts()
+    if not allowed:
+        return
+    if run.checkpointer is None:
+        log.warning(
+            "torchrun may restart this job %d time(s) (--max-restarts), but [checkpoint] enable"
+            " = false: a restart trains again from step 0; turn checkpoints on so that one"
+            " loses at most [checkpoint] interval steps",
+            allowed,
+        )
+    if done:
+        log.warning(
+            "torchrun restart %d of %d: training goes on from step %d (%s)",
+            done,
+            allowed,
+            run.state.step,
+            "the newest complete checkpoint" if loaded else "no checkpoint to resume from",
+        )
 
 
 def write_seed_checkpoint(run: Run) -> TrainResult:
@@ -346,9 +371,15 @@ class _StopRequest:
         if self._on_signal is not None:
             self._on_signal()
 
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+    def __exit__(self, exc_type, *_) -> None:
+        if self._previous is None:
+            return
+        if exc_type is not None and exc_type is not KeyboardInterrupt:
+            # Stopping on an error: when a peer died, torchrun's SIGTERM follows within
+            # moments, and it must not end this rank before its error is reported.
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            return
+        signal.signal(signal.SIGTERM, self._previous)
 
 
 @dataclass
@@ -388,16 +419,20 @@ def run_steps(run: Run) -> TrainResult:
         run.runtime.flops_per_token,
     )
     validator = build_validator(run) if config.validation.enable else None
-    guard = StepGuard(run.optimizer)
+    guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
     batches = iter(run.loader)
     tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
     start_step = state.step
-    stopped_early = False
+    stopped_early = failed = False
     gc.disable()
     try:
         with (
             report_collective_failures(
-                config.comm, run.dump, run.info.rank, started=lambda: state.step > start_step + 1
+                config.comm,
+                run.dump,
+                run.info.rank,
+                started=lambda: state.step > start_step + 1,
+                step=lambda: state.step,
             ),
             _StopRequest(on_signal=lambda: dump_trace(config, run.dump, run.info.rank)) as stop,
             maybe_profile(config.profiling, run.dump, run.info.rank, state.step) as profile_step,
@@ -443,12 +478,33 @@ def run_steps(run: Run) -> TrainResult:
             state.step,
         )
         stopped_early = True
+    except BaseException:
+        failed = True
+        raise
     finally:
         gc.enable()
-        if run.checkpointer is not None:
-            run.checkpointer.close()
+        close_checkpointer(run.checkpointer, after_error=failed)
         window.metrics.close()
     return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
+
+
+def close_checkpointer(checkpointer, after_error: bool) -> None:
+    """Finish the checkpointer's in-flight save. After an error a peer may be gone, and closing
+    (it may wait on the other ranks) can fail too: that failure is logged, not raised, so that
+    the error reported is the one that ended the run."""
+    if checkpointer is None:
+        return
+    if not after_error:
+        checkpointer.close()
+        return
+    try:
+        checkpointer.close()
+    except Exception as e:  # the run's own error is already on its way out
+        log.warning(
+            "the checkpointer could not finish after the error (%s); the newest complete"
+            " checkpoint is unaffected",
+            str(e).splitlines()[0][:200],
+        )
 
 
 def train_step(
@@ -476,8 +532,9 @@ def train_step(
         total += runtime.forward_backward(model_parts, inputs, labels, scale=1.0 / accum)
     grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
     loss = runtime.reduce_loss(total)
-    guard.before_step(step, loss, grad_norm)  # a NaN or inf step is skipped, never applied
-    optimizer.step()
+    # A NaN or inf step is never applied: skipped on the device, or here.
+    if guard.before_step(step, loss, grad_norm, local_loss=total):
+        optimizer.step()
     return loss, grad_norm
 
 
@@ -489,6 +546,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     _, loss, grad_norm = rows[-1]
     values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
+    values["skipped_steps"] = guard.skipped
     window.metrics.log(run.state.step, values)
     window.timer.reset()
 

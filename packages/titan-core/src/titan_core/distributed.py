@@ -56,7 +56,15 @@ def init_distributed(
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_seconds)
         if "MASTER_ADDR" in os.environ or world_size > 1:
-            dist.init_process_group(backend=backend, timeout=timeout, device_id=_device_id(device))
+            store, rank, world_size = _attempt_store(timeout)
+            dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                device_id=_device_id(device),
+            )
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -127,6 +135,16 @@ def _device_id(device: torch.device) -> torch.device | None:
 # The variables init_distributed set (not the user), undone by destroy_distributed: a later
 # job in this process, or a process it starts, must not inherit them as if they were the user's.
 _ENV_SET: dict[str, str] = {}
+
+
+def _attempt_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
+    """torch's own env:// rendezvous (the torchrun agent's store), with keys under this
+    attempt's prefix. torchrun keeps one store for all the attempts of a job: after a restart
+    (`--max-restarts`) the process group's keys from the failed attempt are still there, and a
+    rank that read its peer's old address would wait for it forever."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"titan/attempt_{attempt}", store), rank, world_size
 
 
 def _set_env_default(name: str, value: str) -> None:

@@ -1,0 +1,43 @@
+"""A data package (named in the config as `crash_data:data_spec`) whose loader kills its own
+process with SIGKILL before one batch, on one rank, in the first attempt of a torchrun job only:
+the way a lost node or an out-of-memory kill looks to the other ranks (no message, no cleanup).
+Configured by environment: CRASH_RANK, CRASH_AT (batch index). torchrun numbers its attempts in
+TORCHELASTIC_RESTART_COUNT; a restarted attempt runs clean."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from titan_core import DataSpec
+from titan_data import build_dataloader, load_tokenizer
+
+
+class CrashingLoader:
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.at = int(os.environ["CRASH_AT"])
+        self.batches = 0  # counted over the loader's whole life, resumed or not
+
+    def __iter__(self):
+        for batch in self.inner:
+            self.batches += 1
+            mine = self.rank == int(os.environ["CRASH_RANK"])
+            if self.first_attempt and mine and self.batches == self.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+def _build(**kwargs):
+    return CrashingLoader(build_dataloader(**kwargs))
+
+
+data_spec = DataSpec(name="crash", build_tokenizer=load_tokenizer, build_dataloader=_build)
