@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ import pytest
 import torch
 from ft_worker import replay
 
-from titan_parallel.fault_tolerance import FaultToleranceConfig, start_lighthouse
+from titan_parallel.fault_tolerance import FaultToleranceConfig, ReplicaGroup, start_lighthouse
 
 # Every rank is a process of its own, forked from one that imported torch and torchft once:
 # ten fresh interpreters importing torch take minutes on a busy 2-core machine.
@@ -38,11 +41,27 @@ TIMEOUT_S = 240
 REPLAY_RTOL = 1e-5
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Run:
     """One fault-tolerant run: a lighthouse in this process and a process per rank."""
 
-    def __init__(self, out: Path, *, min_replica_size: int = 1, kill: bool = False):
-        self.out, self.kill = out, kill
+    def __init__(
+        self,
+        out: Path,
+        *,
+        min_replica_size: int = 1,
+        kill: bool = False,
+        groups: int = GROUPS,
+        ranks: int = 1,
+    ):
+        self.out, self.kill, self.groups, self.ranks = out, kill, groups, ranks
+        self.restarted = None
+        self.extra_ranks: list = []  # ranks other than each group's first
         out.mkdir()
         # min_replicas 1: a quorum forms from whichever groups are alive; the workers' startup
         # barrier makes the first one complete. Short timeouts: a dead group is noticed in ~1 s.
@@ -50,30 +69,42 @@ class Run:
             "127.0.0.1:0", 1, join_timeout_ms=1000, heartbeat_timeout_ms=1000
         )
         self.common = [
-            f"--groups={GROUPS}",
+            f"--groups={groups}",
             f"--steps={STEPS}",
             f"--min-replica-size={min_replica_size}",
             f"--out={out}",
             f"--lighthouse={self.lighthouse.address()}",
         ]
+        if ranks > 1:  # FSDP in each group; the second joins late and heals from the first
+            self.procs = {
+                0: self._start(0),
+                1: self._start(1, f"--join-after={out / 'g0r0i0.jsonl'}:{KILL_AT}"),
+            }
+            return
         self.procs = {
             g: self._start(
                 g,
                 "--barrier",
                 *([f"--kill-at={KILL_AT}"] if kill and g == GROUP_KILLED else []),
             )
-            for g in range(GROUPS)
+            for g in range(groups)
         }
-        self.restarted = None
 
     def _start(self, group: int, *extra: str, incarnation: int = 0):
+        """The group's ranks, each a process; the group's first rank stands for it."""
         argv = [f"--group={group}", f"--incarnation={incarnation}", *self.common, *extra]
-        proc = _FORKSERVER.Process(
-            target=ft_worker.run,
-            args=(argv, str(self.out / f"g{group}i{incarnation}.log"), {"OMP_NUM_THREADS": "1"}),
-        )
-        proc.start()
-        return proc
+        env = {"OMP_NUM_THREADS": "1"}
+        if self.ranks > 1:
+            argv.append("--fsdp")
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        procs = []
+        for rank in range(self.ranks):
+            env |= {"RANK": str(rank), "WORLD_SIZE": str(self.ranks)}
+            log = self.out / f"g{group}i{incarnation}{f'r{rank}' if rank else ''}.log"
+            procs.append(_FORKSERVER.Process(target=ft_worker.run, args=(argv, str(log), env)))
+            procs[-1].start()
+        self.extra_ranks += procs[1:]
+        return procs[0]
 
     def wait(self) -> None:
         deadline = time.monotonic() + TIMEOUT_S
@@ -85,14 +116,15 @@ class Run:
                     # A restart takes a while: the others go on alone (or wait) meanwhile.
                     if self._attempts(0) >= RESTART_AFTER + 2:
                         self.restarted = self._start(GROUP_KILLED, incarnation=1)
-                live = [*self.procs.values(), *([self.restarted] if self.restarted else [])]
+                live = [*self.procs.values(), *self.extra_ranks]
+                live += [self.restarted] if self.restarted else []
                 if all(p.exitcode is not None for p in live):
                     break
                 time.sleep(0.1)
             else:
                 pytest.fail(f"run in {self.out} did not finish in {TIMEOUT_S} s")
         finally:
-            for p in [*self.procs.values(), self.restarted]:
+            for p in [*self.procs.values(), *self.extra_ranks, self.restarted]:
                 if p is not None and p.exitcode is None:
                     p.kill()
                     p.join()
@@ -100,6 +132,9 @@ class Run:
         for g, p in self.procs.items():
             if not (self.kill and g == GROUP_KILLED):
                 assert p.exitcode == 0, self.log(g, 0)
+        assert all(p.exitcode == 0 for p in self.extra_ranks), [
+            p.exitcode for p in self.extra_ranks
+        ]
         if self.restarted is not None:
             assert self.restarted.exitcode == 0, self.log(GROUP_KILLED, 1)
 
@@ -134,9 +169,10 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The three 1-rank-per-group runs, at once: most of their time is waiting."""
+    """Every run at once: most of their time is waiting."""
     base = tmp_path_factory.mktemp("ft")
     started = {
+        "fsdp": Run(base / "fsdp", groups=2, ranks=2),
         "no_failure": Run(base / "no_failure"),
         "killed": Run(base / "killed", kill=True),
         "killed_min3": Run(base / "killed_min3", kill=True, min_replica_size=GROUPS),
@@ -146,13 +182,20 @@ def runs(tmp_path_factory):
     return started
 
 
-def test_config_refuses_inconsistent_keys() -> None:
+def test_config_names_inconsistent_keys() -> None:
     from titan_core import ConfigError
 
-    with pytest.raises(ConfigError, match="replica_id = 3 is outside 0 .. 2"):
-        FaultToleranceConfig(enable=True, replica_id=3, group_size=3)
-    with pytest.raises(ConfigError, match="min_replica_size = 4 must be between 1"):
-        FaultToleranceConfig(enable=True, group_size=3, min_replica_size=4)
+    assert FaultToleranceConfig(enable=True, replica_id=2, group_size=3).validate() == []
+    bad = FaultToleranceConfig(enable=True, replica_id=3, group_size=3, min_replica_size=4)
+    assert bad.validate() == [
+        "[fault_tolerance] replica_id = 3 is outside 0 .. 2 (group_size = 3)\n"
+        "give each replica group its own index",
+        "[fault_tolerance] min_replica_size = 4 is not valid\nuse 1 .. group_size (3)",
+    ]
+    with pytest.raises(ConfigError, match="replica_id = 3 is outside"):
+        ReplicaGroup(bad, {"model": torch.nn.Linear(1, 1)})
+    with pytest.raises(ConfigError, match="enable = true"):
+        ReplicaGroup(FaultToleranceConfig(), {"model": torch.nn.Linear(1, 1)})
 
 
 def test_import_without_torchft_names_the_extra() -> None:
@@ -232,3 +275,56 @@ def test_min_replica_size_all_groups_waits_and_matches_no_failure(runs) -> None:
     for f in finals:
         # Bitwise: the same steps, the same groups, the same reduction order as no failure.
         assert torch.equal(f, runs["no_failure"].final(0))
+
+
+def test_fsdp_shards_averaged_across_groups_and_late_group_heals(runs) -> None:
+    """2 groups of 2 ranks, FSDP2 inside each: rank i of each group averages its own shard.
+    The second group starts late and receives the first's sharded model and optimizer state."""
+    run = runs["fsdp"]
+    late = run.records(1)
+    healed = [r for r in late if r["recovered"]]
+    assert len(healed) == 1 and healed[0]["step"] >= KILL_AT, late
+    schedule = run.schedule()
+    assert schedule[0] == [0] and schedule[-1] == [0, 1], schedule
+    final = run.final(0)
+    assert torch.equal(run.final(1), final)
+    expected = replay(schedule)
+    err = ((final - expected).norm() / expected.norm()).item()
+    assert err < REPLAY_RTOL, err
+    alone = sum(s == [0] for s in schedule)
+    print(f"fsdp: {len(schedule)} steps ({alone} before the late group), replay rel err {err:.2e}")
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def test_readme_fault_tolerance_commands_run_as_shown(tmp_path) -> None:
+    """The README's lighthouse and two replica groups, run exactly as shown (on a free port)."""
+    section = README.read_text().split("## Fault tolerance (TorchFT)")[1].split("\n## ")[0]
+    (tmp_path / "ft_train.py").write_text(section.split("```python\n")[1].split("```")[0])
+    commands = section.split("```bash\n")[1].split("```")[0]
+    bin_dir = str(Path(sys.executable).parent)  # python and torchft_lighthouse of this env
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        ["bash", "-c", commands],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout  # two processes share the pipe: their lines may interleave
+    weights = dict(re.findall(r"replica (\d) \| done \| weights (-?\d+\.\d{6})", out))
+    assert set(weights) == {"0", "1"}, out
+    # Both groups end with the same weights: the same steps, each averaging both groups.
+    assert weights["0"] == weights["1"], weights
+    for replica in "01":  # --min_replicas 2: every step averages both groups
+        steps = re.findall(rf"replica {replica} \| step +(\d+) \| groups (\d)", out)
+        assert steps == [(str(n), "2") for n in range(1, 21)], out

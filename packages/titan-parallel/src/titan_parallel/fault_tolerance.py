@@ -30,6 +30,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+import torch.distributed
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -61,29 +62,31 @@ class FaultToleranceConfig:
     lighthouse: str = ""
     """The lighthouse's address (http://host:port); empty reads TORCHFT_LIGHTHOUSE."""
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
+    def validate(self) -> list[str]:
+        """The problems of this section, each naming the key and the fix (empty: none)."""
+        problems = []
         if self.group_size < 1:
-            raise ConfigError(
-                f"[fault_tolerance] group_size = {self.group_size}: there must be at least one"
-                " replica group"
+            problems.append(
+                f"[fault_tolerance] group_size = {self.group_size} is not valid\n"
+                "there must be at least one replica group"
             )
-        if not 0 <= self.replica_id < self.group_size:
-            raise ConfigError(
+        elif not 0 <= self.replica_id < self.group_size:
+            problems.append(
                 f"[fault_tolerance] replica_id = {self.replica_id} is outside 0 .. "
-                f"{self.group_size - 1} (group_size = {self.group_size}); give each replica"
-                " group its own index"
+                f"{self.group_size - 1} (group_size = {self.group_size})\n"
+                "give each replica group its own index"
             )
-        if not 1 <= self.min_replica_size <= self.group_size:
-            raise ConfigError(
-                f"[fault_tolerance] min_replica_size = {self.min_replica_size} must be between 1"
-                f" and group_size = {self.group_size}"
+        if self.group_size >= 1 and not 1 <= self.min_replica_size <= self.group_size:
+            problems.append(
+                f"[fault_tolerance] min_replica_size = {self.min_replica_size} is not valid\n"
+                f"use 1 .. group_size ({self.group_size})"
             )
         for key in ("process_group_timeout_ms", "quorum_timeout_ms"):
             if getattr(self, key) <= 0:
-                raise ConfigError(f"[fault_tolerance] {key} must be positive")
+                problems.append(
+                    f"[fault_tolerance] {key} = {getattr(self, key)}: use a positive time"
+                )
+        return problems
 
 
 class Stateful(Protocol):
@@ -133,7 +136,8 @@ class ReplicaGroup:
     the others are: the model and optimizer, plus whatever else the caller passes (a learning-rate
     scheduler, a data loader, a step counter: anything with `state_dict`/`load_state_dict`).
     Every rank of a group creates one, with the group's rank, world size and TCP store (torchrun's
-    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT unless given).
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT unless given; a process started without
+    torchrun is a group of one with a store of its own).
 
     A step::
 
@@ -157,6 +161,8 @@ class ReplicaGroup:
         store_port: int | None = None,
         hostname: str | None = None,
     ):
+        if problems := config.validate():
+            raise ConfigError("\n".join(problems))
         if not config.enable:
             raise ConfigError(
                 "ReplicaGroup needs [fault_tolerance] enable = true; without it, train without"
@@ -183,6 +189,13 @@ class ReplicaGroup:
                 "no lighthouse: set [fault_tolerance] lighthouse or TORCHFT_LIGHTHOUSE to the"
                 " address of a running `torchft_lighthouse` (http://host:port)"
             )
+        self._store = None
+        if store_addr is None and "MASTER_ADDR" not in os.environ:
+            # A group of one process, not started by torchrun: it keeps its own store.
+            self._store = torch.distributed.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False
+            )
+            store_addr, store_port, rank, world_size = "127.0.0.1", self._store.port, 0, 1
         # One key per stateful object: torchft hands each its own part of the received state.
         first, *rest = self._state
         self.manager = torchft.Manager(
