@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -196,12 +197,18 @@ class ReplicaGroup:
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False
             )
             store_addr, store_port, rank, world_size = "127.0.0.1", self._store.port, 0, 1
+        # torchft reads the state a healing group needs on its quorum thread, which with an
+        # asynchronous quorum overlaps this step's forward and backward. FSDP2 swaps a module's
+        # parameters for unsharded ones during both, so a read then races with the step (and
+        # can free storage the backward still needs): reads wait until the gradients are done.
+        self._outside_compute = threading.Event()
+        self._outside_compute.set()
         # One key per stateful object: torchft hands each its own part of the received state.
         first, *rest = self._state
         self.manager = torchft.Manager(
             pg=pg,
             load_state_dict=self._loader(first),
-            state_dict=self._state[first].state_dict,
+            state_dict=self._reader(first),
             min_replica_size=config.min_replica_size,
             # Replica groups start from the same seeded weights: no copy at step 0.
             init_sync=False,
@@ -217,7 +224,7 @@ class ReplicaGroup:
             **({"hostname": hostname} if hostname else {}),
         )
         for key in rest:
-            self.manager.register_state_dict_fn(key, self._loader(key), self._state[key].state_dict)
+            self.manager.register_state_dict_fn(key, self._loader(key), self._reader(key))
 
     def _loader(self, key: str):
         def load(state_dict: dict[str, Any]) -> None:
@@ -233,8 +240,16 @@ class ReplicaGroup:
 
         return load
 
+    def _reader(self, key: str):
+        def read() -> dict[str, Any]:
+            self._outside_compute.wait()
+            return self._state[key].state_dict()
+
+        return read
+
     def start_step(self) -> None:
         """Start this step's quorum (asynchronously: it overlaps the forward pass)."""
+        self._outside_compute.clear()
         self.manager.start_quorum()
 
     def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
@@ -242,6 +257,7 @@ class ReplicaGroup:
         place: one flat buffer per dtype and device. A DTensor gradient is averaged by its local
         shard, which rank i of every group holds alike. A group that is healing contributes
         zeros and is not counted. A failure (a peer died) is recorded and fails `should_commit`."""
+        self._outside_compute.set()
         grads = [p.grad for p in params if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
@@ -259,6 +275,7 @@ class ReplicaGroup:
     def should_commit(self) -> bool:
         """Whether every replica group of this step completed it: step the optimizer only then.
         A restarted group loads the state it received here, before its first step."""
+        self._outside_compute.set()
         return self.manager.should_commit()
 
     def participants(self) -> int:
