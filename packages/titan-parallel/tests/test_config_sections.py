@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from titan_core.config import ConfigError, field_docs, load_config
-from titan_parallel import ActivationCheckpoint, Compile, Parallelism, check_parallelize_config
+from titan_parallel import (
+    ActivationCheckpoint,
+    Compile,
+    FaultToleranceConfig,
+    Parallelism,
+    check_parallelize_config,
+)
 
 
 @dataclass
@@ -73,7 +79,7 @@ def test_defaults_follow_torchtitan() -> None:
     )
 
 
-@pytest.mark.parametrize("cls", [Parallelism, ActivationCheckpoint, Compile])
+@pytest.mark.parametrize("cls", [Parallelism, ActivationCheckpoint, Compile, FaultToleranceConfig])
 def test_every_field_has_help_text(cls) -> None:
     docs = field_docs(cls)
     assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)] == []

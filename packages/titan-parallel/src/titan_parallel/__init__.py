@@ -2,8 +2,9 @@
 pipeline and context parallel, activation checkpointing and torch.compile to a block-structured
 model; the distributed utilities a training loop needs with them (global gradient clipping,
 metric reduction, exact initialisation under sharding); optimizers whose statistics are exact
-under sharding (Ranger21, AdamW with bfloat16 states); and per-rank memory estimates of any
-layout at full size on fake process groups and fake tensors."""
+under sharding (Ranger21, AdamW with bfloat16 states); per-rank memory estimates of any
+layout at full size on fake process groups and fake tensors; and fault-tolerant replica groups
+with TorchFT (the `ft` extra)."""
 
 import importlib.metadata
 
@@ -30,6 +31,7 @@ from titan_parallel.data_parallel import (
     autocast_context,
     resolve_reshard_after_forward,
 )
+from titan_parallel.fault_tolerance import FaultToleranceConfig, ReplicaGroup, start_lighthouse
 from titan_parallel.grad_clip import clip_grad_norm_, dist_max, dist_mean, dist_sum, total_grad_norm
 from titan_parallel.init import init_weights_exact
 from titan_parallel.memory_estimate import (
@@ -69,6 +71,9 @@ from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
 __version__ = importlib.metadata.version("titan-parallel")  # the pyproject's version, one source
 
 __all__ = [
+    "FaultToleranceConfig",
+    "ReplicaGroup",
+    "start_lighthouse",
     "SAVE_OPS",
     "AdamW",
     "Ranger21",

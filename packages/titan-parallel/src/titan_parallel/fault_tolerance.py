@@ -1,0 +1,311 @@
+"""Fault-tolerant data parallelism across replica groups with TorchFT (`pip install
+'titan-parallel[ft]'`).
+
+A job is split into replica groups: each group is an ordinary job of its own (FSDP, TP, ... inside
+it) with its own torchrun and its own TCP store, and the groups train the same model on different
+data. Across groups, gradients are averaged through a `torchft.Manager`, which asks a lighthouse
+(one small server for the whole job) for a quorum every step. When a group dies, the step it was
+part of fails on every group (`should_commit()` is False, nobody steps the optimizer) and is
+retried with the groups that are left; the survivors never restart. A restarted group joins the
+next quorum, receives the current weights, optimizer state and step from a live group
+(`healing`), and takes part from the step after.
+
+Rank i of every group is paired with rank i of the others (torchft builds one process group per
+group rank), so under FSDP each rank averages its own shard: a DTensor gradient is averaged by its
+local tensor, in place.
+
+torchft.DistributedDataParallel is not used: in torchft 0.2 its communication hook fails an
+assertion on the surviving groups when a peer dies during the all-reduce. Gradients go through
+`Manager.allreduce` instead, one flat buffer per dtype, whose errors fail the step cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_core import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_INSTALL = "pip install 'titan-parallel[ft]'"
+
+
+@dataclass
+class FaultToleranceConfig:
+    """[fault_tolerance]: torchtitan's keys for TorchFT replica groups."""
+
+    enable: bool = False
+    """Average gradients across replica groups through TorchFT, so that a group can die and
+    rejoin while the others keep training. Needs the `ft` extra and a running lighthouse."""
+    replica_id: int = 0
+    """This replica group's index, 0 .. group_size - 1 (the same on every rank of the group)."""
+    group_size: int = 1
+    """Number of replica groups the job is planned for (the data is sharded over them)."""
+    min_replica_size: int = 1
+    """Fewest replica groups a step needs to commit. With group_size, no step is taken with a
+    group missing: the others wait for it to come back."""
+    process_group_timeout_ms: int = 10000
+    """How long a cross-group collective or commit vote may take before the step fails."""
+    quorum_timeout_ms: int = 60000
+    """How long a group waits for a quorum (other groups starting or coming back)."""
+    lighthouse: str = ""
+    """The lighthouse's address (http://host:port); empty reads TORCHFT_LIGHTHOUSE."""
+
+    def validate(self) -> list[str]:
+        """The problems of this section, each naming the key and the fix (empty: none)."""
+        problems = []
+        if self.group_size < 1:
+            problems.append(
+                f"[fault_tolerance] group_size = {self.group_size} is not valid\n"
+                "there must be at least one replica group"
+            )
+        elif not 0 <= self.replica_id < self.group_size:
+            problems.append(
+                f"[fault_tolerance] replica_id = {self.replica_id} is outside 0 .. "
+                f"{self.group_size - 1} (group_size = {self.group_size})\n"
+                "give each replica group its own index"
+            )
+        if self.group_size >= 1 and not 1 <= self.min_replica_size <= self.group_size:
+            problems.append(
+                f"[fault_tolerance] min_replica_size = {self.min_replica_size} is not valid\n"
+                f"use 1 .. group_size ({self.group_size})"
+            )
+        for key in ("process_group_timeout_ms", "quorum_timeout_ms"):
+            if getattr(self, key) <= 0:
+                problems.append(
+                    f"[fault_tolerance] {key} = {getattr(self, key)}: use a positive time"
+                )
+        return problems
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+        import torchft.coordination
+    except ImportError as e:
+        raise ImportError(
+            f"fault tolerance needs torchft, which is not installed ({e}); install it with"
+            f" {_INSTALL}"
+        ) from e
+    return torchft
+
+
+def start_lighthouse(
+    bind: str = "[::]:0",
+    min_replicas: int = 1,
+    *,
+    join_timeout_ms: int = 1000,
+    quorum_tick_ms: int = 100,
+    heartbeat_timeout_ms: int = 5000,
+) -> Any:
+    """A lighthouse in this process (tests, one machine); its `address()` is what the replica
+    groups need. A real job runs `torchft_lighthouse --bind [::]:29510 --min_replicas 1`
+    on one host instead. `min_replicas` groups must be up before the first quorum forms;
+    `join_timeout_ms` is how long a quorum waits for more groups than that."""
+    coordination = _torchft().coordination
+    return coordination.LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+
+
+class ReplicaGroup:
+    """This process's place in a fault-tolerant job: a `torchft.Manager` for its replica group.
+
+    `state` holds what a restarted group must receive from a live one to continue exactly where
+    the others are: the model and optimizer, plus whatever else the caller passes (a learning-rate
+    scheduler, a data loader, a step counter: anything with `state_dict`/`load_state_dict`).
+    Every rank of a group creates one, with the group's rank, world size and TCP store (torchrun's
+    RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT unless given; a process started without
+    torchrun is a group of one with a store of its own).
+
+    A step::
+
+        group.start_step()                 # asks for the quorum, in the background
+        loss_fn(model(x), y).backward()
+        group.average_gradients(model.parameters())
+        if group.should_commit():          # every group agrees; False: skip this step, retry
+            optimizer.step()
+        optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        config: FaultToleranceConfig,
+        state: Mapping[str, Stateful],
+        *,
+        device: torch.device | str = "cpu",
+        rank: int | None = None,
+        world_size: int | None = None,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        hostname: str | None = None,
+    ):
+        if problems := config.validate():
+            raise ConfigError("\n".join(problems))
+        if not config.enable:
+            raise ConfigError(
+                "ReplicaGroup needs [fault_tolerance] enable = true; without it, train without"
+                " a ReplicaGroup"
+            )
+        if not state:
+            raise ValueError(
+                "ReplicaGroup needs the state a restarted group receives from a live one, e.g."
+                " state={'model': model, 'optimizer': optimizer}"
+            )
+        torchft = _torchft()
+        self.config = config
+        self._state = dict(state)
+        self.recoveries: list[int] = []
+        """The steps at which this group received its state from a live group."""
+        timeout = timedelta(milliseconds=config.process_group_timeout_ms)
+        if torch.device(device).type == "cuda":
+            pg = torchft.ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = torchft.ProcessGroupGloo(timeout=timeout)
+        lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise ConfigError(
+                "no lighthouse: set [fault_tolerance] lighthouse or TORCHFT_LIGHTHOUSE to the"
+                " address of a running `torchft_lighthouse` (http://host:port)"
+            )
+        self._store = None
+        if store_addr is None and "MASTER_ADDR" not in os.environ:
+            # A group of one process, not started by torchrun: it keeps its own store.
+            self._store = torch.distributed.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False
+            )
+            store_addr, store_port, rank, world_size = "127.0.0.1", self._store.port, 0, 1
+        # torchft reads the state a healing group needs on its quorum thread, which with an
+        # asynchronous quorum overlaps this step's forward and backward. FSDP2 swaps a module's
+        # parameters for unsharded ones during both, so a read then races with the step (and
+        # can free storage the backward still needs): reads wait until the gradients are done.
+        self._outside_compute = threading.Event()
+        self._outside_compute.set()
+        # One key per stateful object: torchft hands each its own part of the received state.
+        first, *rest = self._state
+        self.manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=self._loader(first),
+            state_dict=self._reader(first),
+            min_replica_size=config.min_replica_size,
+            # Replica groups start from the same seeded weights: no copy at step 0.
+            init_sync=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(milliseconds=config.quorum_timeout_ms),
+            connect_timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"titan_ft_{config.replica_id}",
+            **({"hostname": hostname} if hostname else {}),
+        )
+        for key in rest:
+            self.manager.register_state_dict_fn(key, self._loader(key), self._reader(key))
+
+    def _loader(self, key: str):
+        def load(state_dict: dict[str, Any]) -> None:
+            self._state[key].load_state_dict(state_dict)
+            if key == next(iter(self._state)):
+                step = self.manager.current_step()
+                self.recoveries.append(step)
+                logger.warning(
+                    "replica group %d recovered step %d from a live replica group",
+                    self.config.replica_id,
+                    step,
+                )
+
+        return load
+
+    def _reader(self, key: str):
+        def read() -> dict[str, Any]:
+            self._outside_compute.wait()
+            return self._state[key].state_dict()
+
+        return read
+
+    def start_step(self) -> None:
+        """Start this step's quorum (asynchronously: it overlaps the forward pass)."""
+        self._outside_compute.clear()
+        self.manager.start_quorum()
+
+    def average_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Average the gradients of `params` over the replica groups of this step's quorum, in
+        place: one flat buffer per dtype and device. A DTensor gradient is averaged by its local
+        shard, which rank i of every group holds alike. A group that is healing contributes
+        zeros and is not counted. A failure (a peer died) is recorded and fails `should_commit`."""
+        self._outside_compute.set()
+        grads = [p.grad for p in params if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+        for g in local:
+            buckets[(g.dtype, g.device)].append(g)
+        pending = []
+        for tensors in buckets.values():
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            pending.append((flat, tensors, self.manager.allreduce(flat)))
+        for flat, tensors, work in pending:
+            work.wait()
+            for t, averaged in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(averaged.view_as(t))
+
+    def should_commit(self) -> bool:
+        """Whether every replica group of this step completed it: step the optimizer only then.
+        A restarted group loads the state it received here, before its first step."""
+        self._outside_compute.set()
+        return self.manager.should_commit()
+
+    def participants(self) -> int:
+        """Number of replica groups whose gradients this step averages."""
+        return self.manager.num_participants()
+
+    def is_participating(self) -> bool:
+        """False while this group is healing (its gradients are not counted this step)."""
+        return self.manager.is_participating()
+
+    def current_step(self) -> int:
+        """Committed steps so far (the same on every group of the quorum)."""
+        return self.manager.current_step()
+
+    def batches_committed(self) -> int:
+        """Per-group batches committed so far, summed over groups (a step of 3 groups is 3)."""
+        return self.manager.batches_committed()
+
+    def state_dict(self) -> dict[str, int]:
+        """The manager's step and batch count: save it with each checkpoint."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.manager.load_state_dict(state_dict)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    def __enter__(self) -> ReplicaGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
