@@ -9,14 +9,12 @@ from __future__ import annotations
 import os
 import signal
 
-from titan_core import DataSpec
-from titan_data import build_dataloader, load_tokenizer
+from stall_data import WrappedLoader
 
 
-class CrashingLoader:
+class CrashingLoader(WrappedLoader):
     def __init__(self, inner):
-        self.inner = inner
-        self.rank = int(os.environ.get("RANK", "0"))
+        super().__init__(inner)
         self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.at = int(os.environ["CRASH_AT"])
         self.batches = 0  # counted over the loader's whole life, resumed or not
@@ -29,15 +27,5 @@ class CrashingLoader:
                 os.kill(os.getpid(), signal.SIGKILL)
             yield batch
 
-    def state_dict(self):
-        return self.inner.state_dict()
 
-    def load_state_dict(self, state):
-        self.inner.load_state_dict(state)
-
-
-def _build(**kwargs):
-    return CrashingLoader(build_dataloader(**kwargs))
-
-
-data_spec = DataSpec(name="crash", build_tokenizer=load_tokenizer, build_dataloader=_build)
+data_spec = CrashingLoader.spec("crash")

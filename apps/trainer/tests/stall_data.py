@@ -1,6 +1,9 @@
 """A data package (named in the config as `stall_data:data_spec`) whose loader, on one rank, stops
 for a long time before one batch: the way a slow file system or a stuck reader looks to a run.
-Configured by environment: STALL_RANK, STALL_AT (batch index), STALL_SECONDS."""
+Configured by environment: STALL_RANK, STALL_AT (batch index), STALL_SECONDS.
+
+`WrappedLoader` is the shared part of such test loaders (crash_data.py has another): the real
+loader inside, whose position is the one checkpointed and resumed."""
 
 from __future__ import annotations
 
@@ -11,16 +14,10 @@ from titan_core import DataSpec
 from titan_data import build_dataloader, load_tokenizer
 
 
-class StallingLoader:
+class WrappedLoader:
     def __init__(self, inner):
         self.inner = inner
         self.rank = int(os.environ.get("RANK", "0"))
-
-    def __iter__(self):
-        for i, batch in enumerate(self.inner):
-            if self.rank == int(os.environ["STALL_RANK"]) and i == int(os.environ["STALL_AT"]):
-                time.sleep(float(os.environ["STALL_SECONDS"]))
-            yield batch
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -28,9 +25,22 @@ class StallingLoader:
     def load_state_dict(self, state):
         self.inner.load_state_dict(state)
 
+    @classmethod
+    def spec(cls, name: str) -> DataSpec:
+        """A data package whose loader is this class around the default one."""
+        return DataSpec(
+            name=name,
+            build_tokenizer=load_tokenizer,
+            build_dataloader=lambda **kwargs: cls(build_dataloader(**kwargs)),
+        )
 
-def _build(**kwargs):
-    return StallingLoader(build_dataloader(**kwargs))
+
+class StallingLoader(WrappedLoader):
+    def __iter__(self):
+        for i, batch in enumerate(self.inner):
+            if self.rank == int(os.environ["STALL_RANK"]) and i == int(os.environ["STALL_AT"]):
+                time.sleep(float(os.environ["STALL_SECONDS"]))
+            yield batch
 
 
-data_spec = DataSpec(name="stall", build_tokenizer=load_tokenizer, build_dataloader=_build)
+data_spec = StallingLoader.spec("stall")
