@@ -93,6 +93,20 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_elastic_restart.py::"
         "test_a_killed_rank_is_restarted_and_the_job_ends_as_if_nothing_failed"
     ),
+    # The lighthouse and the three replica groups, with a free port for the lighthouse.
+    **dict.fromkeys(
+        [
+            "torchft_lighthouse --bind [::]:29510 --min_replicas 1 --join_timeout_ms 10000 &",
+            *(
+                "TORCHFT_LIGHTHOUSE=http://localhost:29510 MAX_RESTARTS=3 "
+                "apps/trainer/run_train.sh --fault_tolerance.enable --fault_tolerance.group_size 3 "
+                f"--fault_tolerance.replica_id {g} --job.dump_folder outputs/ft_group{g} &"
+                for g in range(3)
+            ),
+        ],
+        "apps/trainer/tests/test_fault_tolerance_e2e.py::"
+        "test_with_every_group_required_the_run_ends_as_if_nothing_failed",
+    ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"
         "test_shipped_config_dry_runs_at_its_documented_size_and_fits"

@@ -84,7 +84,7 @@ def test_training_steps_read_nothing_back_and_a_logging_step_reads_once(trainer_
     _step(trainer_parts, optimizer, guard, 1)  # the first step creates the optimizer's state
     with Readbacks() as seen:
         for step in (2, 3, 4):
-            loss, grad_norm = _step(trainer_parts, optimizer, guard, step)
+            loss, grad_norm, _ = _step(trainer_parts, optimizer, guard, step)
     assert seen.calls == [], f"host read-backs inside training steps: {seen.calls}"
     assert isinstance(loss, torch.Tensor) and isinstance(grad_norm, torch.Tensor)
     with Readbacks() as seen:

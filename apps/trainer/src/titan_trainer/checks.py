@@ -11,6 +11,7 @@ import torch
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
 from titan_core.device import resolve_device_type
 from titan_trainer.config import JobConfig
+from titan_trainer.fault_tolerance import fault_tolerance_problems
 from titan_trainer.logs import rank_problems
 from titan_trainer.optimizer import optimizer_problem
 
@@ -100,6 +101,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
                 f"{'; context parallel shards it with the batch' if dims.cp > 1 else ''})\n"
                 "use -1 to validate at the training sequence length"
             )
+    problems += config.fault_tolerance.validate()
     if config.validation.enable and dims.pp_enabled:
         problems.append(
             "[validation] enable = true does not work with pipeline parallel yet\n"
@@ -190,6 +192,8 @@ def preflight_problems(
             data, "validation", config.validation.dataset, config.validation.dataset_path, notes
         )
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
+    if not dry_run:
+        problems += fault_tolerance_problems(config)
     return problems, notes, vocab_size
 
 

@@ -13,7 +13,13 @@ from titan_ckpt import Checkpoint
 from titan_core import Comm, Job
 from titan_core.config import ConfigCompat
 from titan_float8 import Float8
-from titan_parallel import ActivationCheckpoint, Compile, Parallelism, Ranger21Options
+from titan_parallel import (
+    ActivationCheckpoint,
+    Compile,
+    FaultToleranceConfig,
+    Parallelism,
+    Ranger21Options,
+)
 from titan_trainer import torchtitan_keys
 
 Dtype = Literal["auto", "bfloat16", "float32"]
@@ -331,3 +337,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     dry_run: DryRun = field(default_factory=DryRun)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

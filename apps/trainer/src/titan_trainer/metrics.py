@@ -46,6 +46,8 @@ def format_line(step: int, m: dict[str, float]) -> str:
         parts.append(f"data {m['data_pct']:.0f}%")
     if m.get("skipped_rows"):
         parts.append(f"skipped rows {m['skipped_rows']:,.0f}")
+    if "replica_groups" in m:
+        parts.append(f"groups {m['replica_groups']:.0f}")
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']:,.0f}")
     return " | ".join(parts)

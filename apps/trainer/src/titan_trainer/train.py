@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,12 @@ from titan_trainer.comm import (
     trace_folder,
 )
 from titan_trainer.config import JobConfig
+from titan_trainer.fault_tolerance import (
+    StepBatches,
+    build_replica_group,
+    data_coordinates,
+    settle_replica_step,
+)
 from titan_trainer.guards import (
     StepGuard,
     build_checked_loader,
@@ -154,6 +160,8 @@ class Run:
     state: TrainState
     checkpointer: Any
     """None when no checkpointing is asked for."""
+    replicas: Any = None
+    """This rank's TorchFT `ReplicaGroup` ([fault_tolerance]), or None."""
 
     @property
     def dump(self) -> str:
@@ -207,22 +215,23 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     )
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     state = TrainState()
+    # Before the checkpoint is loaded: the replica group's step count is part of it.
+    replicas = build_replica_group(config, info, parts, optimizer, lr_scheduler, state)
+    states = {
+        "model": parts,
+        "optimizer": optimizer,
+        "lr_scheduler": lr_scheduler,
+        "dataloader": loader,
+        "train_state": state,
+    }
+    if replicas is not None:
+        states["fault_tolerance"] = replicas
     checkpointer = build_checkpointer(
-        config,
-        dims,
-        states={
-            "model": parts,
-            "optimizer": optimizer,
-            "lr_scheduler": lr_scheduler,
-            "dataloader": loader,
-            "train_state": state,
-        },
-        config_toml=resolved_toml,
-        vocab_size=tokenizer.vocab_size,
+        config, dims, states=states, config_toml=resolved_toml, vocab_size=tokenizer.vocab_size
     )
     run = Run(
         config, info, dims, runtime, data, tokenizer, loader, converters, parts, optimizer,
-        lr_scheduler, state, checkpointer,
+        lr_scheduler, state, checkpointer, replicas,
     )  # fmt: skip
     restore_or_initialise(run)
     return run
@@ -261,8 +270,9 @@ def write_resolved_config(config: JobConfig, rank: int) -> str:
 
 
 def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
-    """One loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches."""
-    dp_rank, dp_world = dp_coordinates(dims)
+    """One loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches.
+    Replica groups ([fault_tolerance]) each read their own share."""
+    dp_rank, dp_world = data_coordinates(config, dims)
     return build_checked_loader(
         data,
         dataset=config.training.dataset,
@@ -421,6 +431,8 @@ def run_steps(run: Run) -> TrainResult:
     validator = build_validator(run) if config.validation.enable else None
     guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
     batches = iter(run.loader)
+    if run.replicas is not None:  # a discarded step is retried on the same batches
+        batches = StepBatches(batches, accum)
     tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
     start_step = state.step
     stopped_early = failed = False
@@ -440,17 +452,27 @@ def run_steps(run: Run) -> TrainResult:
         ):
             while state.step < config.training.steps:
                 state.step += 1
-                train_step(
+                attempted, recovered = state.step, len(getattr(run.replicas, "recoveries", ()))
+                outcome = train_step(
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
-                    guard, state.step,
+                    guard, state.step, replicas=run.replicas,
                 )  # fmt: skip
+                if run.replicas is not None and not settle_replica_step(
+                    run.replicas, batches, state, attempted, recovered, outcome.committed
+                ):  # discarded on every replica group: attempted again
+                    if stop.requested:
+                        stopped_early = True
+                        save_if_due(run, last=False, preempted=True)
+                        break
+                    continue
                 run.lr_scheduler.step()
                 if state.step == start_step + 1:  # compiled and warmed up: the tight timeout
                     start_training_timeout(config.comm, state.step)
                 for converter in run.converters:
                     for part in run.parts:
                         converter.post_optimizer_hook(part)
-                state.tokens_seen += tokens_per_step * run.dims.dp_degree
+                groups = 1 if run.replicas is None else run.replicas.participants()
+                state.tokens_seen += tokens_per_step * run.dims.dp_degree * groups
                 window.timer.tokens += tokens_per_step
                 window.timer.steps += 1
                 last = state.step == config.training.steps
@@ -517,11 +539,17 @@ def train_step(
     config,
     guard: StepGuard,
     step: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over `accum` microbatches, clip, check, step. Returns (loss, grad_norm)
-    as device tensors, both reduced over every rank so that all ranks log the same numbers;
-    nothing is read back to the host here (see StepGuard)."""
+    *,
+    replicas=None,
+) -> StepOutcome:
+    """Forward/backward over `accum` microbatches, clip, check, step. The loss and gradient
+    norm are device tensors, both reduced over every rank so that all ranks log the same
+    numbers; nothing is read back to the host here (see StepGuard). With `replicas` (a TorchFT
+    `ReplicaGroup`) the gradients are averaged over the replica groups before clipping, and the
+    optimizer steps only if every group completed the step (`committed`)."""
     optimizer.zero_grad(set_to_none=True)
+    if replicas is not None:
+        replicas.start_step()  # the quorum forms while the forward pass runs
     total = torch.zeros((), device=runtime.device)
     for _ in range(accum):
         start = time.perf_counter()
@@ -530,12 +558,24 @@ def train_step(
         inputs = inputs.to(runtime.device, non_blocking=True)
         labels = labels.to(runtime.device, non_blocking=True)
         total += runtime.forward_backward(model_parts, inputs, labels, scale=1.0 / accum)
+    if replicas is not None:
+        replicas.average_gradients(p for part in model_parts for p in part.parameters())
     grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
     loss = runtime.reduce_loss(total)
+    # Every rank of every group votes, whatever its own step looks like.
+    committed = replicas is None or replicas.should_commit()
     # A NaN or inf step is never applied: skipped on the device, or here.
-    if guard.before_step(step, loss, grad_norm, local_loss=total):
+    if committed and guard.before_step(step, loss, grad_norm, local_loss=total):
         optimizer.step()
-    return loss, grad_norm
+    return StepOutcome(loss, grad_norm, committed)
+
+
+class StepOutcome(NamedTuple):
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    committed: bool
+    """False when fault tolerance discarded the step (a replica group failed): not applied
+    anywhere, to be attempted again."""
 
 
 def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
@@ -547,6 +587,8 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
     values["skipped_steps"] = guard.skipped
+    if run.replicas is not None:  # replica groups in the last step
+        values["replica_groups"] = run.replicas.participants()
     window.metrics.log(run.state.step, values)
     window.timer.reset()
 

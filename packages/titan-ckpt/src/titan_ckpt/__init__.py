@@ -18,6 +18,7 @@ from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
 from titan_ckpt.preflight import check_loadable
 from titan_ckpt.safe_read import UnsafeCheckpointError
+from titan_ckpt.states import ModelState, OptimizerState
 
 __version__ = importlib.metadata.version("titan-ckpt")  # the pyproject's version, one source
 
@@ -36,6 +37,8 @@ __all__ = [
     "list_checkpoints",
     "load_consolidated",
     "nonfinite_tensors",
+    "ModelState",
+    "OptimizerState",
     "read_safetensors",
     "save_model_checkpoint",
 ]

@@ -97,6 +97,9 @@ class Stateful(Protocol):
 
 
 def _torchft() -> Any:
+    # torchft's Rust side logs every quorum and vote at INFO: a few lines per step. Warnings
+    # only, unless the user asks for more (RUST_LOG=info).
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
         import torchft.coordination

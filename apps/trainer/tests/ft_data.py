@@ -1,0 +1,46 @@
+"""A data package (named in the config as `ft_data:data_spec`) for the fault-tolerance test: the
+loader of one replica group kills its process with SIGKILL before one batch, in the first
+torchrun attempt only (a lost node, as the other groups see it), and the surviving groups can
+be held back until the killed group is back, so that the run does not end without it.
+
+Configured by environment:
+  FT_KILL_AT: the batch (counted from 1) before which this group's process dies;
+  FT_BACK_FILE: a file the restarted group creates when it reads its first batch;
+  FT_SLOW_SECONDS, FT_HOLD_AT: until that file exists, sleep this long before each batch, and
+    wait for the file before batch FT_HOLD_AT (at most FT_HOLD_MAX_S seconds)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from stall_data import WrappedLoader
+
+
+class ReplicaTestLoader(WrappedLoader):
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.batches = 0  # over the loader's whole life, resumed or not
+
+    def __iter__(self):
+        back = Path(os.environ["FT_BACK_FILE"]) if "FT_BACK_FILE" in os.environ else None
+        for batch in self.inner:
+            self.batches += 1
+            if self.attempt == 0 and self.batches == int(os.environ.get("FT_KILL_AT", "0")):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if back is not None and self.attempt > 0:
+                back.touch()
+            elif back is not None and not back.exists() and "FT_SLOW_SECONDS" in os.environ:
+                if self.batches >= int(os.environ["FT_HOLD_AT"]):
+                    deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
+                    while not back.exists() and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                else:
+                    time.sleep(float(os.environ["FT_SLOW_SECONDS"]))
+            yield batch
+
+
+data_spec = ReplicaTestLoader.spec("replica_test")
