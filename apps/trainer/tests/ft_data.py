@@ -5,9 +5,10 @@ be held back until the killed group is back, so that the run does not end withou
 
 Configured by environment:
   FT_KILL_AT: the batch (counted from 1) before which this group's process dies;
-  FT_BACK_FILE: a file the restarted group creates when it reads its first batch;
+  FT_BACK_FILE: a file the restarted group creates when it reads its FT_BACK_AT-th batch (1);
   FT_SLOW_SECONDS, FT_HOLD_AT: until that file exists, sleep this long before each batch, and
-    wait for the file before batch FT_HOLD_AT (at most FT_HOLD_MAX_S seconds)."""
+    wait for the file before batch FT_HOLD_AT (at most FT_HOLD_MAX_S seconds), then
+    FT_HOLD_EXTRA_S more."""
 
 from __future__ import annotations
 
@@ -32,12 +33,14 @@ class ReplicaTestLoader(WrappedLoader):
             if self.attempt == 0 and self.batches == int(os.environ.get("FT_KILL_AT", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
             if back is not None and self.attempt > 0:
-                back.touch()
+                if self.batches >= int(os.environ.get("FT_BACK_AT", "1")):
+                    back.touch()
             elif back is not None and not back.exists() and "FT_SLOW_SECONDS" in os.environ:
                 if self.batches >= int(os.environ["FT_HOLD_AT"]):
                     deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
                     while not back.exists() and time.monotonic() < deadline:
                         time.sleep(0.1)
+                    time.sleep(float(os.environ.get("FT_HOLD_EXTRA_S", "0")))
                 else:
                     time.sleep(float(os.environ["FT_SLOW_SECONDS"]))
             yield batch

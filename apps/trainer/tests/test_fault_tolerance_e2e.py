@@ -224,6 +224,36 @@ def test_with_every_group_required_the_run_ends_as_if_nothing_failed(tmp_path, s
             assert torch.equal(weights[k], reference[k]), (g, k)
 
 
+def test_diloco_groups_train_on_without_a_killed_group_and_end_equal(tmp_path, start_lighthouse):
+    """DiLoCo (synchronising every 4 steps) with one of three groups killed at step 6: the
+    others synchronise without it at step 8; restarted from its checkpoint of step 4, it joins
+    a later synchronisation (the others wait for it before step 12), receives the state,
+    DiLoCo's included, and at the last step, a synchronisation of all three, every group holds
+    the same weights."""
+    _check_command_shape()
+    back = tmp_path / "back"
+    envs = {
+        g: {"FT_BACK_FILE": str(back), "FT_SLOW_SECONDS": "0.1", "FT_HOLD_AT": "12",
+            "FT_HOLD_EXTRA_S": "3"}
+        for g in range(GROUPS)
+    }  # fmt: skip
+    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_BACK_AT": "4"}  # back at its step 8
+    args = [*SMALL, "--fault_tolerance.min_replica_size", "2",
+            "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]  # fmt: skip
+    outputs = _finish(_start_groups(start_lighthouse(), tmp_path, args, envs), tmp_path)
+    recovered_at = _assert_killed_and_recovered(outputs[KILLED])
+    assert recovered_at in (12, 16), recovered_at  # at a synchronisation
+    for g in set(range(GROUPS)) - {KILLED}:
+        stdout, stderr = outputs[g]
+        assert sorted(parse_losses(stdout)) == list(range(1, STEPS + 1))
+        assert "torchrun restart" not in stdout + stderr and "exitcode" not in stderr
+        assert re.search(r"step    8 \|.*\| groups 2\b", stdout), stdout[-3000:]
+    weights = [_final_weights(tmp_path, g) for g in range(GROUPS)]
+    for other in weights[1:]:
+        for k in weights[0]:
+            assert torch.equal(other[k], weights[0][k]), k
+
+
 # ----------------------------------------------------------------------------- without processes
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_parallel.fault_tolerance import FaultToleranceConfig, ReplicaGroup
+from titan_parallel.fault_tolerance import FaultToleranceConfig, ReplicaGroup, SemiSync
 
 SEED = 0
 DIM, HIDDEN, OUT = 16, 32, 8
@@ -111,6 +111,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--join-after", default="", help="FILE:STEP: join when FILE records STEP")
     p.add_argument("--lighthouse", required=True)
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument("--semi-sync", default="", help="local_sgd or diloco: see run_semi_sync")
+    p.add_argument("--sync-steps", type=int, default=1)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -138,6 +140,8 @@ def main(argv: list[str]) -> None:
         replica_id=args.group,
         group_size=args.groups,
         min_replica_size=args.min_replica_size,
+        semi_sync_method=args.semi_sync,
+        sync_steps=args.sync_steps,
         process_group_timeout_ms=5000,
         quorum_timeout_ms=60000,
         lighthouse=args.lighthouse,
@@ -159,6 +163,9 @@ def main(argv: list[str]) -> None:
         while len(list(out.glob("ready_*"))) < args.groups * world:
             time.sleep(0.05)
         time.sleep(0.3)
+    if args.semi_sync:
+        run_semi_sync(args, group, model, opt, rank, world, out)
+        return
     with open(out / f"g{args.group}r{rank}i{args.incarnation}.jsonl", "w") as records:
         while True:
             counter.attempts += 1
@@ -207,6 +214,61 @@ def main(argv: list[str]) -> None:
     group.close()
     sys.stdout.flush()
     os._exit(0)  # torchft's server threads need no orderly teardown
+
+
+def run_semi_sync(args, group, model, opt, rank: int, world: int, out: Path) -> None:
+    """`--steps` local steps on the group's own data, synchronised (`SemiSync`) every
+    `--sync-steps`; the final parameters of rank 0 to `<out>/g<group>i0.pt`."""
+    sync = SemiSync(group, model.parameters())
+    synced = []
+    for step in range(1, args.steps + 1):
+        x, y = batch(args.group, step - 1)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        if sync.due(step):
+            synced.append((step, sync.sync(), group.participants()))
+    assert all(ok and n == args.groups for _, ok, n in synced), synced
+    if rank == 0:
+        params = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+        torch.save({"params": params, "synced": synced}, out / f"g{args.group}i0.pt")
+    group.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def replay_semi_sync(method: str, groups: int, steps: int, sync_steps: int) -> list[torch.Tensor]:
+    """What `run_semi_sync` computes, in one process: every group's model stepped alone, and
+    every `sync_steps` steps the average of their weights (local_sgd) or an outer Nesterov SGD
+    step on the average of (last synced - now) (diloco, with the config's defaults)."""
+    config = FaultToleranceConfig()
+    models = [build_model() for _ in range(groups)]
+    opts = [build_optimizer(m) for m in models]
+    glob = build_model()  # diloco: the last synced weights, stepped by the outer optimizer
+    outer = torch.optim.SGD(
+        glob.parameters(), lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
+    )
+    for step in range(1, steps + 1):
+        for g, (model, opt) in enumerate(zip(models, opts)):
+            opt.zero_grad()
+            loss_fn(model, *batch(g, step - 1)).backward()
+            opt.step()
+        if step % sync_steps:
+            continue
+        with torch.no_grad():
+            for i, p in enumerate(glob.parameters()):
+                local = [list(m.parameters())[i] for m in models]
+                if method == "local_sgd":
+                    p.copy_(sum(local) / groups)
+                else:
+                    p.grad = sum(p - q for q in local) / groups
+            if method == "diloco":
+                outer.step()
+            for m in models:
+                for q, p in zip(m.parameters(), glob.parameters()):
+                    q.copy_(p)
+    return [flat_params(m) for m in models]
 
 
 def _records(path: Path) -> list[dict]:

@@ -32,6 +32,7 @@ _FORKSERVER.set_forkserver_preload(["torch", "torchft", "titan_parallel.fault_to
 GROUPS = 3
 STEPS = 8
 KILL_AT = 3
+SYNC_STEPS = 3  # LocalSGD and DiLoCo: 8 steps synchronise after steps 3 and 6 (and not at 8)
 GROUP_KILLED = 1
 RESTART_AFTER = KILL_AT + 2  # the killed group is restarted once the others attempted this step
 TIMEOUT_S = 240
@@ -58,6 +59,7 @@ class Run:
         kill: bool = False,
         groups: int = GROUPS,
         ranks: int = 1,
+        semi_sync: str = "",
     ):
         self.out, self.kill, self.groups, self.ranks = out, kill, groups, ranks
         self.restarted = None
@@ -75,6 +77,8 @@ class Run:
             f"--out={out}",
             f"--lighthouse={self.lighthouse.address()}",
         ]
+        if semi_sync:
+            self.common += [f"--semi-sync={semi_sync}", f"--sync-steps={SYNC_STEPS}"]
         if ranks > 1:  # FSDP in each group; the second joins late and heals from the first
             self.procs = {
                 0: self._start(0),
@@ -176,6 +180,8 @@ def runs(tmp_path_factory):
         "no_failure": Run(base / "no_failure"),
         "killed": Run(base / "killed", kill=True),
         "killed_min3": Run(base / "killed_min3", kill=True, min_replica_size=GROUPS),
+        "local_sgd": Run(base / "local_sgd", groups=2, semi_sync="local_sgd"),
+        "diloco": Run(base / "diloco", groups=2, semi_sync="diloco"),
     }
     for run in started.values():
         run.wait()
@@ -328,3 +334,20 @@ def test_readme_fault_tolerance_commands_run_as_shown(tmp_path) -> None:
     for replica in "01":  # --min_replicas 2: every step averages both groups
         steps = re.findall(rf"replica {replica} \| step +(\d+) \| groups (\d)", out)
         assert steps == [(str(n), "2") for n in range(1, 21)], out
+
+
+@pytest.mark.parametrize("method", ["local_sgd", "diloco"])
+def test_semi_sync_matches_its_single_process_replay(runs, method) -> None:
+    """Two groups step alone and synchronise every SYNC_STEPS steps; each group's weights match
+    a one-process replay of the method (not equal to each other at the end: the last steps
+    after the last synchronisation are each group's own)."""
+    run = runs[method]
+    expected = ft_worker.replay_semi_sync(method, 2, STEPS, SYNC_STEPS)
+    for g in range(2):
+        saved = torch.load(run.out / f"g{g}i0.pt")
+        assert [step for step, _, _ in saved["synced"]] == [3, 6]
+        torch.testing.assert_close(saved["params"], expected[g], rtol=REPLAY_RTOL, atol=1e-7)
+    # Until the last synchronisation the groups agree; after it each took 2 steps on its own.
+    assert not torch.equal(
+        torch.load(run.out / "g0i0.pt")["params"], torch.load(run.out / "g1i0.pt")["params"]
+    )

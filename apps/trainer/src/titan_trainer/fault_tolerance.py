@@ -46,6 +46,48 @@ def build_replica_group(config, info, parts, optimizer, lr_scheduler, train_stat
     )
 
 
+def build_semi_sync(replicas, parts):
+    """LocalSGD or DiLoCo over `replicas` when [fault_tolerance] semi_sync_method asks for it,
+    else None."""
+    if replicas is None or not replicas.config.semi_sync_method:
+        return None
+    from titan_parallel import SemiSync
+
+    return SemiSync(replicas, [p for part in parts for p in part.parameters()])
+
+
+def settle_semi_sync(replicas, sync, batches: StepBatches, state, attempted: int) -> bool:
+    """The synchronisation after step `attempted` (a due step): run it, move the data on if this
+    group received a later step from a live group, and say what a failed one means."""
+    recovered = len(replicas.recoveries)
+    applied = sync.sync()
+    batches.commit()
+    if len(replicas.recoveries) > recovered:
+        log.warning(
+            "replica group %d received step %d from a live replica group (it had step %d);"
+            " its data moves on to match",
+            replicas.config.replica_id,
+            state.step,
+            attempted,
+        )
+        batches.jump(state.step - attempted, retry=False)
+    if not applied:
+        kept = (
+            "each group keeps its own weights until the next one"
+            if sync.method == "local_sgd"
+            else "every group goes back to the weights of the last synchronisation"
+        )
+        log.warning(
+            "the %s synchronisation after step %d failed (a replica group failed, or fewer than"
+            " [fault_tolerance] min_replica_size = %d are up): %s",
+            sync.method,
+            attempted,
+            replicas.config.min_replica_size,
+            kept,
+        )
+    return applied
+
+
 def fault_tolerance_problems(config) -> list[str]:
     """What this machine lacks for [fault_tolerance] (torchft, a lighthouse address), before any
     process group exists; the section's own values are checked with the rest of the config."""

@@ -35,7 +35,6 @@ UNIMPLEMENTED: frozenset[str] = frozenset(
         "experimental.custom_args_module",
         "experimental.custom_import",
         "fault_tolerance.process_group",
-        "fault_tolerance.semi_sync_method",
         "job.custom_config_module",
         "job.save_config_file",
         "lr_scheduler.total_steps",

@@ -57,8 +57,10 @@ from titan_trainer.config import JobConfig
 from titan_trainer.fault_tolerance import (
     StepBatches,
     build_replica_group,
+    build_semi_sync,
     data_coordinates,
     settle_replica_step,
+    settle_semi_sync,
 )
 from titan_trainer.guards import (
     StepGuard,
@@ -162,6 +164,8 @@ class Run:
     """None when no checkpointing is asked for."""
     replicas: Any = None
     """This rank's TorchFT `ReplicaGroup` ([fault_tolerance]), or None."""
+    semi_sync: Any = None
+    """LocalSGD or DiLoCo over `replicas` ([fault_tolerance] semi_sync_method), or None."""
 
     @property
     def dump(self) -> str:
@@ -217,6 +221,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     state = TrainState()
     # Before the checkpoint is loaded: the replica group's step count is part of it.
     replicas = build_replica_group(config, info, parts, optimizer, lr_scheduler, state)
+    semi_sync = build_semi_sync(replicas, parts)
     states = {
         "model": parts,
         "optimizer": optimizer,
@@ -226,14 +231,18 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     }
     if replicas is not None:
         states["fault_tolerance"] = replicas
+    if semi_sync is not None and semi_sync.method == "diloco":
+        states["diloco"] = semi_sync  # the last synced weights and the outer momentum
     checkpointer = build_checkpointer(
         config, dims, states=states, config_toml=resolved_toml, vocab_size=tokenizer.vocab_size
     )
     run = Run(
         config, info, dims, runtime, data, tokenizer, loader, converters, parts, optimizer,
-        lr_scheduler, state, checkpointer, replicas,
+        lr_scheduler, state, checkpointer, replicas, semi_sync,
     )  # fmt: skip
     restore_or_initialise(run)
+    if semi_sync is not None and not semi_sync.loaded:  # DiLoCo starts from these weights
+        semi_sync.snapshot()
     return run
 
 
@@ -453,11 +462,18 @@ def run_steps(run: Run) -> TrainResult:
             while state.step < config.training.steps:
                 state.step += 1
                 attempted, recovered = state.step, len(getattr(run.replicas, "recoveries", ()))
+                # Semi-synchronous groups step alone and synchronise every few steps.
+                every_step = run.replicas if run.semi_sync is None else None
                 outcome = train_step(
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
-                    guard, state.step, replicas=run.replicas,
+                    guard, state.step, replicas=every_step,
                 )  # fmt: skip
-                if run.replicas is not None and not settle_replica_step(
+                if run.semi_sync is not None:
+                    if run.semi_sync.due(state.step):
+                        settle_semi_sync(run.replicas, run.semi_sync, batches, state, attempted)
+                    else:
+                        batches.commit()
+                elif run.replicas is not None and not settle_replica_step(
                     run.replicas, batches, state, attempted, recovered, outcome.committed
                 ):  # discarded on every replica group: attempted again
                     if stop.requested:
@@ -471,7 +487,9 @@ def run_steps(run: Run) -> TrainResult:
                 for converter in run.converters:
                     for part in run.parts:
                         converter.post_optimizer_hook(part)
-                groups = 1 if run.replicas is None else run.replicas.participants()
+                groups = 1
+                if run.replicas is not None:  # before the first quorum: every group planned
+                    groups = run.replicas.participants() or config.fault_tolerance.group_size
                 state.tokens_seen += tokens_per_step * run.dims.dp_degree * groups
                 window.timer.tokens += tokens_per_step
                 window.timer.steps += 1
@@ -587,7 +605,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
     values["skipped_steps"] = guard.skipped
-    if run.replicas is not None:  # replica groups in the last step
+    if run.replicas is not None and run.replicas.participants():  # in the last quorum
         values["replica_groups"] = run.replicas.participants()
     window.metrics.log(run.state.step, values)
     window.timer.reset()

@@ -31,7 +31,12 @@ from titan_parallel.data_parallel import (
     autocast_context,
     resolve_reshard_after_forward,
 )
-from titan_parallel.fault_tolerance import FaultToleranceConfig, ReplicaGroup, start_lighthouse
+from titan_parallel.fault_tolerance import (
+    FaultToleranceConfig,
+    ReplicaGroup,
+    SemiSync,
+    start_lighthouse,
+)
 from titan_parallel.grad_clip import clip_grad_norm_, dist_max, dist_mean, dist_sum, total_grad_norm
 from titan_parallel.init import init_weights_exact
 from titan_parallel.memory_estimate import (
@@ -73,6 +78,7 @@ __version__ = importlib.metadata.version("titan-parallel")  # the pyproject's ve
 __all__ = [
     "FaultToleranceConfig",
     "ReplicaGroup",
+    "SemiSync",
     "start_lighthouse",
     "SAVE_OPS",
     "AdamW",

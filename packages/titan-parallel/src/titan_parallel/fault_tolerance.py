@@ -62,6 +62,17 @@ class FaultToleranceConfig:
     """How long a group waits for a quorum (other groups starting or coming back)."""
     lighthouse: str = ""
     """The lighthouse's address (http://host:port); empty reads TORCHFT_LIGHTHOUSE."""
+    semi_sync_method: str = ""
+    """Empty: average gradients every step. `local_sgd`: each group steps alone and the groups
+    average their weights every sync_steps steps (Stich 2019). `diloco`: every sync_steps
+    steps the averaged change of the weights is applied by an outer Nesterov SGD (Douillard et
+    al. 2023)."""
+    sync_steps: int = 5
+    """Steps between two synchronisations with local_sgd or diloco."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
     def validate(self) -> list[str]:
         """The problems of this section, each naming the key and the fix (empty: none)."""
@@ -82,12 +93,22 @@ class FaultToleranceConfig:
                 f"[fault_tolerance] min_replica_size = {self.min_replica_size} is not valid\n"
                 f"use 1 .. group_size ({self.group_size})"
             )
+        if self.semi_sync_method not in SEMI_SYNC_METHODS:
+            problems.append(
+                f"[fault_tolerance] semi_sync_method = {self.semi_sync_method!r} is not known\n"
+                "use local_sgd, diloco, or leave it empty to average gradients every step"
+            )
+        if self.sync_steps < 1:
+            problems.append(f"[fault_tolerance] sync_steps = {self.sync_steps}: use 1 or more")
         for key in ("process_group_timeout_ms", "quorum_timeout_ms"):
             if getattr(self, key) <= 0:
                 problems.append(
                     f"[fault_tolerance] {key} = {getattr(self, key)}: use a positive time"
                 )
         return problems
+
+
+SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 
 
 class Stateful(Protocol):
@@ -250,6 +271,13 @@ class ReplicaGroup:
 
         return read
 
+    def add_state(self, key: str, obj: Stateful) -> None:
+        """One more object a healing group receives from a live one, under `key`."""
+        if key in self._state:
+            raise ValueError(f"the replica group's state already has {key!r}")
+        self._state[key] = obj
+        self.manager.register_state_dict_fn(key, self._loader(key), self._reader(key))
+
     def start_step(self) -> None:
         """Start this step's quorum (asynchronously: it overlaps the forward pass)."""
         self._outside_compute.clear()
@@ -261,10 +289,13 @@ class ReplicaGroup:
         shard, which rank i of every group holds alike. A group that is healing contributes
         zeros and is not counted. A failure (a peer died) is recorded and fails `should_commit`."""
         self._outside_compute.set()
-        grads = [p.grad for p in params if p.grad is not None]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        self._average([_local(p.grad) for p in params if p.grad is not None])
+
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        """Average `tensors` (local ones) over this step's quorum, in place, one flat buffer per
+        dtype and device."""
         buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
-        for g in local:
+        for g in tensors:
             buckets[(g.dtype, g.device)].append(g)
         pending = []
         for tensors in buckets.values():
@@ -312,3 +343,126 @@ class ReplicaGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SemiSync:
+    """LocalSGD or DiLoCo across the replica groups of `group` ([fault_tolerance]
+    semi_sync_method): each group steps its own optimizer on its own data, and every
+    `sync_steps` steps (`due(step)`) `sync()` brings the groups together:
+
+    - `local_sgd`: the weights become the average of the groups' weights.
+    - `diloco`: the average change of the weights since the last synchronisation (the
+      pseudo-gradient, taken as `last synced - now`) is applied to the last synced weights by an
+      outer SGD with Nesterov momentum (`outer_lr`, `outer_momentum`).
+
+    A synchronisation that a failure interrupts is not applied anywhere: with local_sgd each group
+    keeps its own weights and tries again at the next due step; with diloco every group goes back
+    to the last synced weights (the local steps since are lost, as in DiLoCo). A group that heals
+    at a synchronisation receives the weights, optimizer states and this object's state (the last
+    synced weights and the outer momentum) from a live group, and ends it like the others.
+
+    torchft's own `LocalSGD` and `DiLoCo` hook the optimizer and count steps themselves; here the
+    caller's step decides (so that a resumed or healed group synchronises at the same steps as
+    the others), the state is checkpointable like any other (`state_dict`), and a DTensor
+    parameter is averaged by its local shard, like gradients in `average_gradients`.
+    """
+
+    def __init__(self, group: ReplicaGroup, params: Iterable[nn.Parameter]):
+        config = group.config
+        if config.semi_sync_method not in ("local_sgd", "diloco"):
+            raise ConfigError(
+                f"SemiSync needs [fault_tolerance] semi_sync_method = local_sgd or diloco, not"
+                f" {config.semi_sync_method!r}"
+            )
+        self.group = group
+        self.method = config.semi_sync_method
+        self.sync_steps = config.sync_steps
+        self.params = [p for p in params if p.requires_grad]
+        self.synced: list[torch.Tensor] = []
+        self.outer: torch.optim.Optimizer | None = None
+        self.loaded = False
+        """Whether `load_state_dict` gave this object its state (a checkpoint, or a live group)."""
+        if self.method == "diloco":
+            self.synced = [_local(p).detach().clone() for p in self.params]
+            self.outer = torch.optim.SGD(
+                self.params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=True
+            )
+            # A zero buffer steps exactly like torch's first-step copy of the gradient, and makes
+            # the momentum part of every state_dict (a checkpoint loads only keys it is given).
+            for p in self.params:
+                self.outer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            group.add_state("semi_sync", self)  # a healing group receives it too
+
+    def snapshot(self) -> None:
+        """Take the current weights as the last synchronised ones (DiLoCo). Done when this
+        object is built; call it again after the weights change other than by training (set
+        after a meta-device build, or loaded from a checkpoint without this object's state)."""
+        for s, p in zip(self.synced, self.params):
+            s.copy_(_local(p).detach())
+
+    def due(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) ends with a synchronisation."""
+        return step % self.sync_steps == 0
+
+    @torch.no_grad()
+    def sync(self) -> bool:
+        """Synchronise now (after the optimizer step of a due step), on every rank of every
+        group. Returns whether the synchronisation was applied."""
+        group = self.group
+        group.manager.start_quorum()  # no forward or backward runs: state reads may go on
+        locals_ = [_local(p) for p in self.params]
+        if self.method == "local_sgd":
+            values = [t.detach().clone() for t in locals_]
+        else:
+            values = [s - t for s, t in zip(self.synced, locals_)]  # the pseudo-gradient
+        group._average(values)
+        # A healing group loads the live group's weights, states and `synced` in here.
+        committed = group.should_commit()
+        if self.method == "local_sgd":
+            if committed:
+                for t, v in zip(locals_, values):
+                    t.copy_(v)
+            return committed
+        for t, s in zip(locals_, self.synced):  # back to the last synced weights
+            t.copy_(s)
+        if committed:
+            for p, v in zip(self.params, values):
+                p.grad = _like(p, v)
+            self.outer.step()
+            for p in self.params:
+                p.grad = None
+            for s, t in zip(self.synced, locals_):
+                s.copy_(t)
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        """DiLoCo's last synced weights and outer momentum, shaped like the parameters (DTensors
+        where they are), so that a checkpointer saves and reshards them; empty for local_sgd."""
+        if self.method != "diloco":
+            return {}
+        state: dict[str, Any] = {}
+        for i, (p, s) in enumerate(zip(self.params, self.synced)):
+            state[f"synced.{i}"] = _like(p, s)
+            state[f"momentum.{i}"] = self.outer.state[p]["momentum_buffer"]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = True
+        if self.method != "diloco":
+            return
+        for i, (p, s) in enumerate(zip(self.params, self.synced)):
+            s.copy_(_local(state[f"synced.{i}"]))
+            self.outer.state[p]["momentum_buffer"].copy_(state[f"momentum.{i}"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a tensor of `param`'s kind: a DTensor with its mesh and placements, or itself."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+    )
