@@ -78,7 +78,13 @@ def start_lighthouse():
 
 
 def _start_groups(
-    lighthouse: str, folder: Path, extra: list[str], envs: dict[int, dict], *, by_key=False
+    lighthouse: str,
+    folder: Path,
+    extra: list[str],
+    envs: dict[int, dict],
+    *,
+    by_key=False,
+    groups: int = GROUPS,
 ):
     """Every replica group by the README's command for it, with the lighthouse's real address
     (in TORCHFT_LIGHTHOUSE, or with `by_key` in [fault_tolerance] lighthouse, which wins over
@@ -86,7 +92,7 @@ def _start_groups(
     returns {group: Popen}."""
     _, commands = _readme_lines()
     procs = {}
-    for g, command in enumerate(commands):
+    for g, command in enumerate(commands[:groups]):
         assert f"--fault_tolerance.replica_id {g} " in command
         words = shlex.split(command)
         at = next(i for i, w in enumerate(words) if "=" not in w)
@@ -252,6 +258,44 @@ def test_diloco_groups_train_on_without_a_killed_group_and_end_equal(tmp_path, s
     for other in weights[1:]:
         for k in weights[0]:
             assert torch.equal(other[k], weights[0][k]), k
+
+
+def test_fsdp_groups_average_like_one_fsdp_job_of_all_their_ranks(tmp_path, start_lighthouse):
+    """HSDP over TorchFT: two replica groups of two FSDP ranks each train like one job of four
+    FSDP ranks on the same data (each rank reads the share its place in the job gives it)."""
+    steps = 6
+    args = ["--training.seq_len", "64", "--training.local_batch_size", "2",
+            "--metrics.log_freq", "1", "--metrics.save_plots_folder", "",
+            "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", "100",
+            "--parallelism.data_parallel_shard_degree", "2"]  # fmt: skip
+    two = {g: {"NGPU": "2"} for g in range(2)}
+    (tmp_path / "ft").mkdir()
+    ft = _start_groups(
+        start_lighthouse(), tmp_path / "ft",
+        [*args, "--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "2"],
+        two, groups=2,
+    )  # fmt: skip
+    whole = subprocess.run(
+        ["bash", str(REPO / "apps/trainer/run_train.sh"), *args,
+         "--parallelism.data_parallel_shard_degree", "4", "--job.dump_folder", str(tmp_path / "whole")],
+        cwd=tmp_path, env={**_env(), "NGPU": "4"}, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    outputs = _finish(ft, tmp_path / "ft")
+    # The metric line's loss is each group's own (over its 2 ranks): their mean is the job's.
+    expected = parse_losses(whole.stdout)
+    groups = [parse_losses(outputs[g][0]) for g in range(2)]
+    assert sorted(expected) == sorted(groups[0]) == sorted(groups[1]) == list(range(1, steps + 1))
+    for step, loss in expected.items():
+        assert abs((groups[0][step] + groups[1][step]) / 2 - loss) <= 2e-4, (step, groups, expected)
+    reference = load_consolidated(
+        tmp_path / "whole" / "checkpoint" / f"step-{steps}", progress=False
+    )
+    for g in range(2):
+        folder = tmp_path / "ft" / f"ft_group{g}" / "checkpoint" / f"step-{steps}"
+        weights = load_consolidated(folder, progress=False)
+        for k in reference:  # fp32; the sums are only grouped differently
+            torch.testing.assert_close(weights[k], reference[k], rtol=1e-4, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- without processes

@@ -2,10 +2,11 @@
 `ReplicaGroup`): what a step does differently, and where each group's data comes from.
 
 Each replica group is a job of its own (its own torchrun, dump folder and checkpoints); the
-groups train one model on different shards of the data and average their gradients every step.
-A step that a failure interrupts is discarded on every group and retried on the same batches; a
-group that comes back receives the model, optimizer, schedule and step from a live one, then
-moves its own data to that step. So no step is lost and no batch is read twice.
+groups train one model on different shards of the data and average their gradients every step
+(or, semi-synchronously, their weights every few steps: LocalSGD, DiLoCo). A step that a
+failure interrupts is discarded on every group and retried on the same batches; a group that
+comes back receives the model, optimizer, schedule and step from a live one, then moves its own
+data to that step. So no step is lost and no batch is read twice.
 """
 
 from __future__ import annotations
@@ -163,12 +164,25 @@ class StepBatches:
 
 
 def settle_replica_step(
-    replicas, batches: StepBatches, state, attempted: int, recovered: int, committed: bool
+    replicas,
+    semi_sync,
+    batches: StepBatches,
+    state,
+    attempted: int,
+    recovered: int,
+    committed: bool,
 ) -> bool:
-    """After the vote of the step `attempted`: keep or hand back its batches, move the data on
-    if this group received a later step from a live group (`recovered` is the count of such
-    recoveries before the step), and step the counter back if the step was discarded. Returns
-    `committed`."""
+    """After step `attempted`: with `semi_sync`, synchronise if the step is due. Otherwise,
+    after the step's vote (`committed`): keep or hand back its batches, move the data on if this
+    group received a later step from a live group (`recovered` is the count of such recoveries
+    before the step), and step the counter back if the step was discarded. Returns whether the
+    step stands (False: attempt it again)."""
+    if semi_sync is not None:
+        if semi_sync.due(attempted):
+            settle_semi_sync(replicas, semi_sync, batches, state, attempted)
+        else:
+            batches.commit()
+        return True
     if len(replicas.recoveries) > recovered:
         log.warning(
             "replica group %d received step %d from a live replica group (it had step %d);"

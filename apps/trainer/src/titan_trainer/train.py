@@ -60,7 +60,6 @@ from titan_trainer.fault_tolerance import (
     build_semi_sync,
     data_coordinates,
     settle_replica_step,
-    settle_semi_sync,
 )
 from titan_trainer.guards import (
     StepGuard,
@@ -461,21 +460,18 @@ def run_steps(run: Run) -> TrainResult:
         ):
             while state.step < config.training.steps:
                 state.step += 1
-                attempted, recovered = state.step, len(getattr(run.replicas, "recoveries", ()))
+                attempted = state.step
+                recovered = 0 if run.replicas is None else len(run.replicas.recoveries)
                 # Semi-synchronous groups step alone and synchronise every few steps.
                 every_step = run.replicas if run.semi_sync is None else None
                 outcome = train_step(
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
                     guard, state.step, replicas=every_step,
                 )  # fmt: skip
-                if run.semi_sync is not None:
-                    if run.semi_sync.due(state.step):
-                        settle_semi_sync(run.replicas, run.semi_sync, batches, state, attempted)
-                    else:
-                        batches.commit()
-                elif run.replicas is not None and not settle_replica_step(
-                    run.replicas, batches, state, attempted, recovered, outcome.committed
-                ):  # discarded on every replica group: attempted again
+                if run.replicas is not None and not settle_replica_step(
+                    run.replicas, run.semi_sync, batches, state, attempted, recovered,
+                    outcome.committed,
+                ):  # fmt: skip  # discarded on every replica group: attempted again
                     if stop.requested:
                         stopped_early = True
                         save_if_due(run, last=False, preempted=True)
@@ -525,6 +521,8 @@ def run_steps(run: Run) -> TrainResult:
         gc.enable()
         close_checkpointer(run.checkpointer, after_error=failed)
         window.metrics.close()
+        if run.replicas is not None:  # leaves the quorums; torchft's threads stop
+            run.replicas.close()
     return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
 
 
