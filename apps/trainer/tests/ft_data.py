@@ -5,6 +5,8 @@ be held back until the killed group is back, so that the run does not end withou
 
 Configured by environment:
   FT_KILL_AT: the batch (counted from 1) before which this group's process dies;
+  FT_RESTART_DELAY_S: the restarted group waits this long before its first batch (a slow
+    restart: a replacement node, a long start-up);
   FT_BACK_FILE: a file the restarted group creates when it reads its FT_BACK_AT-th batch (1);
   FT_SLOW_SECONDS, FT_HOLD_AT: until that file exists, sleep this long before each batch, and
     wait for the file before batch FT_HOLD_AT (at most FT_HOLD_MAX_S seconds), then
@@ -32,6 +34,8 @@ class ReplicaTestLoader(WrappedLoader):
             self.batches += 1
             if self.attempt == 0 and self.batches == int(os.environ.get("FT_KILL_AT", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.attempt > 0 and self.batches == 1:
+                time.sleep(float(os.environ.get("FT_RESTART_DELAY_S", "0")))
             if back is not None and self.attempt > 0:
                 if self.batches >= int(os.environ.get("FT_BACK_AT", "1")):
                     back.touch()
