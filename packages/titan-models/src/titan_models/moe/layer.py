@@ -64,7 +64,9 @@ class MoE(nn.Module):
         bias = self.expert_bias if a.load_balance_coeff is not None else None
         weights, experts, scores = self.router(tokens, bias)
         flat = experts.flatten()  # token t's choices at t*k .. t*k+k-1
-        counts = torch.bincount(flat, minlength=a.num_experts)
+        # Tokens per expert, with a shape known before the data (fake tensors, compile).
+        counts = torch.zeros(a.num_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
         with torch.no_grad():
             self.tokens_per_expert += counts
         order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
@@ -102,14 +104,15 @@ class MoE(nn.Module):
         return plan | {n: ParamInit.truncated(out_std) for n in out}
 
     @torch.no_grad()
-    def update_expert_bias(self, group=None) -> torch.Tensor:
+    def update_expert_bias(self, group=None, *, counts: torch.Tensor | None = None) -> torch.Tensor:
         """After the optimizer step: move each expert's selection bias towards even load, from
         the tokens counted since the last call (summed over `group`, e.g. the data-parallel
-        process group, so that every rank moves its biases alike), and start counting again.
-        Returns the counts."""
-        counts = self.tokens_per_expert.clone()
-        if group is not None:
-            torch.distributed.all_reduce(counts, group=group)
+        process group, so that every rank moves its biases alike; or `counts` summed by the
+        caller), and start counting again. Returns the counts."""
+        if counts is None:
+            counts = self.tokens_per_expert.clone()
+            if group is not None:
+                torch.distributed.all_reduce(counts, group=group)
         if self.args.load_balance_coeff is not None:
             delta = torch.sign(counts.mean() - counts) * self.args.load_balance_coeff
             self.expert_bias.add_(delta.to(self.expert_bias.dtype))
