@@ -21,7 +21,11 @@ FOUR_PROCESSES = (
     "apps/trainer/configs/debug_model.toml --parallelism.data_parallel_shard_degree 2 "
     "--parallelism.tensor_parallel_degree 2"
 )
-RUN_HERE = {MAIN_JOB, SHORT_JOB, FOUR_PROCESSES}
+MOE_JOB = (
+    "uv run titan-train --job.config_file apps/trainer/configs/qwen3_moe_debug.toml "
+    "--training.steps 20"
+)
+RUN_HERE = {MAIN_JOB, SHORT_JOB, FOUR_PROCESSES, MOE_JOB}
 RUN_ELSEWHERE = {
     # CI itself (.ci/run runs exactly this).
     "uv run nox": ".ci/run",
@@ -183,3 +187,15 @@ def test_the_four_process_command_trains_as_shown(tmp_path):
     losses = _losses(done.stdout + done.stderr)
     assert max(losses) == 50 and losses[50] < 0.8 * losses[min(losses)], losses
     assert "dp_shard 2 x tp 2" in done.stdout + done.stderr  # the layout asked for, on 4 ranks
+
+
+def test_the_moe_command_trains_and_reports_the_experts_load(tmp_path):
+    done = _run_as_shown(MOE_JOB, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    losses = _losses(out)
+    assert max(losses) == 20 and losses[20] < 0.8 * losses[min(losses)], losses
+    loads = [float(x) for x in re.findall(r"experts max/mean ([\d.]+)", out)]
+    # One per metric line; 8 experts: between even (1) and all on one (8).
+    assert len(loads) == len(losses) and all(1.0 <= x <= 8.0 for x in loads), loads
+    assert "Qwen3-MoE debug model" in out

@@ -17,6 +17,8 @@ CONFIGS = {
     "llama3_8b": [],
     "llama3_70b": [],
     "llama3_405b": [],
+    "qwen3_moe_debug": [],
+    "qwen3_30b_a3b": [],
 }
 
 
@@ -41,6 +43,7 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
     assert re.search(r"verdict: fits, [\d.]+ GiB free", out), out
-    sizes = {"debug_model": 1, "llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 512}
+    sizes = {"debug_model": 1, "llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 512,
+             "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
     print(out)  # the table, for the log

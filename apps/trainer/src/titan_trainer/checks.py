@@ -77,10 +77,21 @@ def check_config(config: JobConfig, world_size: int) -> None:
     except ConfigError as e:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
+    has_experts = _has_experts(config)
     if dims.ep > 1:
         problems.append(
-            "[parallelism] expert_parallel_degree > 1 needs a mixture-of-experts model, and this model has no experts\n"
-            "set expert_parallel_degree = 1"
+            "[parallelism] expert_parallel_degree > 1: expert parallel is not in Titan yet (FSDP"
+            " shards the experts like the other weights)\nset expert_parallel_degree = 1"
+            if has_experts
+            else "[parallelism] expert_parallel_degree > 1 needs a mixture-of-experts model, and"
+            " this model has no experts\nset expert_parallel_degree = 1"
+        )
+    if has_experts and dims.tp > 1:
+        problems.append(
+            f"[parallelism] tensor_parallel_degree = {dims.tp} with {config.model.name}"
+            f" {config.model.flavor}, a mixture-of-experts model: its experts cannot be split by"
+            " tensor parallel yet\nuse FSDP (data_parallel_shard_degree), and pipeline parallel"
+            " for more"
         )
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
@@ -109,6 +120,15 @@ def check_config(config: JobConfig, world_size: int) -> None:
         )
     if problems:
         raise ConfigError(problems)
+
+
+def _has_experts(config: JobConfig) -> bool:
+    """Whether the model the config names is a mixture of experts (its flavor has `moe`)."""
+    try:
+        flavor = resolve(plugins.MODELS, config.model.name).flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return False  # reported as such by the checks above
+    return getattr(flavor, "moe", None) is not None
 
 
 def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[str]:

@@ -48,6 +48,8 @@ def format_line(step: int, m: dict[str, float]) -> str:
         parts.append(f"skipped rows {m['skipped_rows']:,.0f}")
     if "replica_groups" in m:
         parts.append(f"groups {m['replica_groups']:.0f}")
+    if "expert_load" in m:  # mixture of experts: max / mean tokens per expert, worst layer
+        parts.append(f"experts max/mean {m['expert_load']:.2f}")
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']:,.0f}")
     return " | ".join(parts)

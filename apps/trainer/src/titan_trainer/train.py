@@ -54,6 +54,7 @@ from titan_trainer.comm import (
     trace_folder,
 )
 from titan_trainer.config import JobConfig
+from titan_trainer.experts import ExpertLoad
 from titan_trainer.fault_tolerance import (
     StepBatches,
     build_replica_group,
@@ -409,6 +410,7 @@ class _Window:
     memory: MemoryMonitor
     peak_flops: float
     flops_per_token: float
+    experts: ExpertLoad
 
 
 def run_steps(run: Run) -> TrainResult:
@@ -435,6 +437,7 @@ def run_steps(run: Run) -> TrainResult:
         MemoryMonitor(run.info.device),
         peak.flops,
         run.runtime.flops_per_token,
+        ExpertLoad(run.parts, run.dims, accum),
     )
     validator = build_validator(run) if config.validation.enable else None
     guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
@@ -483,6 +486,8 @@ def run_steps(run: Run) -> TrainResult:
                 for converter in run.converters:
                     for part in run.parts:
                         converter.post_optimizer_hook(part)
+                if window.experts:
+                    window.experts.after_step()
                 groups = 1
                 if run.replicas is not None:  # before the first quorum: every group planned
                     groups = run.replicas.participants() or config.fault_tolerance.group_size
@@ -603,6 +608,8 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
     values["skipped_steps"] = guard.skipped
+    if (load := window.experts.read()) is not None:
+        values["expert_load"] = load
     if run.replicas is not None and run.replicas.participants():  # in the last quorum
         values["replica_groups"] = run.replicas.participants()
     window.metrics.log(run.state.step, values)

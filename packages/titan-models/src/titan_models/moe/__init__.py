@@ -1,0 +1,9 @@
+"""A mixture-of-experts feed-forward any model family can use (`MoE`), with top-k routing,
+grouped-matmul experts, shared experts and DeepSeek-V3's two load-balancing schemes."""
+
+from titan_models.moe.args import MoEArgs
+from titan_models.moe.experts import GroupedExperts
+from titan_models.moe.layer import MoE, SwiGLU
+from titan_models.moe.router import TopKRouter
+
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "SwiGLU", "TopKRouter"]

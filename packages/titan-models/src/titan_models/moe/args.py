@@ -1,0 +1,61 @@
+"""What a mixture-of-experts feed-forward is made of: one dataclass, shared by every family that
+uses the layer (Qwen3-MoE, DeepSeek-V3, Llama 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    """Routed experts."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    hidden_dim: int = 256
+    """Hidden size of each expert's SwiGLU."""
+    num_shared_experts: int = 0
+    """Experts every token goes through (DeepSeek, Llama 4): one SwiGLU of this many times
+    `hidden_dim`."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Softmax over the experts (Qwen3-MoE, Mixtral) or a sigmoid per expert (DeepSeek-V3)."""
+    route_norm: bool = False
+    """Divide the chosen experts' scores by their sum (Qwen3's norm_topk_prob)."""
+    route_scale: float = 1.0
+    """Multiply the routing weights by this (DeepSeek-V3's routed_scaling_factor)."""
+    num_groups: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts split into this many groups..."""
+    top_k_groups: int = 1
+    """...of which each token may use only the best this many (by the sum of each group's
+    two best scores)."""
+    load_balance_coeff: float | None = 1e-3
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): after each optimizer step every
+    expert's selection bias moves by this much towards even load. None turns it off. It acts
+    on the scores, so it suits sigmoid scores (DeepSeek-V3's); a peaked softmax hardly moves."""
+    aux_loss_alpha: float = 0.0
+    """Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3's alpha); 0: none."""
+    use_grouped_mm: bool = True
+    """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
+    experts (the reference, and the fallback where grouped matmul does not run)."""
+
+    def problems(self, dim: int) -> list[str]:
+        """What is inconsistent in these arguments for a model of width `dim`."""
+        out = []
+        if not 1 <= self.top_k <= self.num_experts:
+            out.append(f"top_k = {self.top_k} must be 1 .. num_experts ({self.num_experts})")
+        if self.num_experts % self.num_groups:
+            out.append(
+                f"num_experts = {self.num_experts} is not divisible by num_groups = {self.num_groups}"
+            )
+        elif not 1 <= self.top_k_groups <= self.num_groups:
+            out.append(f"top_k_groups = {self.top_k_groups} must be 1 .. num_groups")
+        elif self.top_k > self.top_k_groups * (self.num_experts // self.num_groups):
+            out.append(
+                f"top_k = {self.top_k} is more than the experts of top_k_groups = {self.top_k_groups} groups"
+            )
+        if self.score_func not in ("softmax", "sigmoid"):
+            out.append(f"score_func = {self.score_func!r}: use softmax or sigmoid")
+        if dim <= 0 or self.hidden_dim <= 0:
+            out.append("dim and hidden_dim must be positive")
+        return out

@@ -1,0 +1,134 @@
+"""The mixture-of-experts feed-forward: route each token to its top-k experts, run every expert
+on its tokens (sorted so that each expert's are contiguous), add the results back weighted by
+the router, plus the shared experts every token goes through.
+
+Load balancing, both from DeepSeek-V3 (arXiv:2412.19437, section 2.1.2):
+- auxiliary-loss-free: each expert has a selection bias (`expert_bias`, saved with the model);
+  the tokens each expert received are counted (`tokens_per_expert`) and, once per optimizer step,
+  `update_expert_bias()` moves every bias by `load_balance_coeff` towards even load (up for an
+  expert below the mean, down above it);
+- sequence-wise auxiliary loss (`aux_loss_alpha`): alpha * sum_i f_i * P_i per sequence, f_i the
+  share of the sequence's top-k choices that went to expert i (times num_experts / top_k), P_i
+  the mean of its normalised score. It adds no output: its gradient is added in the backward
+  pass of this layer (`aux_loss_scale` weighs it, e.g. 1/N under N accumulated microbatches),
+  and its last value is kept in `aux_loss` for logging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_core.init import ParamInit
+from titan_models.moe.args import MoEArgs
+from titan_models.moe.experts import GroupedExperts
+from titan_models.moe.router import TopKRouter
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): the shared experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        if problems := args.problems(dim):
+            raise ValueError("MoEArgs: " + "; ".join(problems))
+        self.args = args
+        self.router = TopKRouter(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.shared_experts = (
+            SwiGLU(dim, args.hidden_dim * args.num_shared_experts)
+            if args.num_shared_experts
+            else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss_scale = 1.0
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        bias = self.expert_bias if a.load_balance_coeff is not None else None
+        weights, experts, scores = self.router(tokens, bias)
+        flat = experts.flatten()  # token t's choices at t*k .. t*k+k-1
+        # Tokens per expert, with a shape known before the data (fake tensors, compile).
+        counts = torch.zeros(a.num_experts, dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+        order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
+        token_of = order // a.top_k
+        routed = self.experts(tokens[token_of], counts)
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        if a.aux_loss_alpha > 0 and torch.is_grad_enabled():
+            loss = self._sequence_aux_loss(
+                scores.view(batch, seq, -1), experts.view(batch, seq, -1)
+            )
+            self.aux_loss = loss.detach()
+            out = _AddGradientOf.apply(out, loss * self.aux_loss_scale)
+        return out.view(batch, seq, dim)
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        batch, seq, _ = scores.shape
+        chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (B, S, E), k ones per token
+        f = chosen.sum(1) * (a.num_experts / (a.top_k * seq))  # (B, E), no gradient
+        p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (B, E)
+        return a.aux_loss_alpha * (f * p).sum(-1).mean()
+
+    def init_plan(self, std: float, out_std: float) -> dict[str, ParamInit]:
+        """How this layer's parameters start, by name relative to it: `std` for what reads the
+        input (router, w1, w3), `out_std` for what writes into the residual stream (w2)."""
+        names = ["router.gate.weight", "experts.w1", "experts.w3"]
+        out = ["experts.w2"]
+        if self.shared_experts is not None:
+            names += ["shared_experts.w1.weight", "shared_experts.w3.weight"]
+            out += ["shared_experts.w2.weight"]
+        plan = {n: ParamInit.truncated(std) for n in names}
+        return plan | {n: ParamInit.truncated(out_std) for n in out}
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None, *, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """After the optimizer step: move each expert's selection bias towards even load, from
+        the tokens counted since the last call (summed over `group`, e.g. the data-parallel
+        process group, so that every rank moves its biases alike; or `counts` summed by the
+        caller), and start counting again. Returns the counts."""
+        if counts is None:
+            counts = self.tokens_per_expert.clone()
+            if group is not None:
+                torch.distributed.all_reduce(counts, group=group)
+        if self.args.load_balance_coeff is not None:
+            delta = torch.sign(counts.mean() - counts) * self.args.load_balance_coeff
+            self.expert_bias.add_(delta.to(self.expert_bias.dtype))
+        self.tokens_per_expert.zero_()
+        return counts
+
+
+class _AddGradientOf(torch.autograd.Function):
+    """Returns `out` unchanged; in the backward pass, `loss` gets gradient 1, so that its
+    gradient is added to the parameters' without being part of the model's output."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=grad.device)

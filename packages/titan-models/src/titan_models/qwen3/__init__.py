@@ -1,0 +1,22 @@
+"""Qwen3 (dense and mixture-of-experts) for Titan."""
+
+from titan_core.protocols import ModelSpec
+from titan_models.qwen3.args import Qwen3Args, qwen3_flavors, with_moe
+from titan_models.qwen3.flops import qwen3_flops_per_token, qwen3_param_count
+from titan_models.qwen3.hf_adapter import Qwen3HFAdapter
+from titan_models.qwen3.model import Qwen3Transformer
+
+qwen3_spec = ModelSpec(
+    name="qwen3", flavors=qwen3_flavors, build=Qwen3Transformer, hf_adapter=Qwen3HFAdapter
+)
+
+__all__ = [
+    "Qwen3Args",
+    "Qwen3HFAdapter",
+    "Qwen3Transformer",
+    "qwen3_flavors",
+    "qwen3_flops_per_token",
+    "qwen3_param_count",
+    "qwen3_spec",
+    "with_moe",
+]
