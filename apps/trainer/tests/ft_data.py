@@ -5,8 +5,8 @@ be held back until the killed group is back, so that the run does not end withou
 
 Configured by environment:
   FT_KILL_AT: the batch (counted from 1) before which this group's process dies;
-  FT_RESTART_DELAY_S: the restarted group waits this long before its first batch (a slow
-    restart: a replacement node, a long start-up);
+  FT_RESTART_DELAY_S: the restarted group waits this long when its loader is built, before it
+    asks to join the others (a slow restart: a replacement node, a long start-up);
   FT_BACK_FILE: a file the restarted group creates when it reads its FT_BACK_AT-th batch (1);
   FT_SLOW_SECONDS, FT_HOLD_AT: until that file exists, sleep this long before each batch, and
     wait for the file before batch FT_HOLD_AT (at most FT_HOLD_MAX_S seconds), then
@@ -27,6 +27,8 @@ class ReplicaTestLoader(WrappedLoader):
         super().__init__(inner)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.batches = 0  # over the loader's whole life, resumed or not
+        if self.attempt > 0:  # the trainer builds the loader before it joins the replica groups
+            time.sleep(float(os.environ.get("FT_RESTART_DELAY_S", "0")))
 
     def __iter__(self):
         back = Path(os.environ["FT_BACK_FILE"]) if "FT_BACK_FILE" in os.environ else None
@@ -34,8 +36,6 @@ class ReplicaTestLoader(WrappedLoader):
             self.batches += 1
             if self.attempt == 0 and self.batches == int(os.environ.get("FT_KILL_AT", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
-            if self.attempt > 0 and self.batches == 1:
-                time.sleep(float(os.environ.get("FT_RESTART_DELAY_S", "0")))
             if back is not None and self.attempt > 0:
                 if self.batches >= int(os.environ.get("FT_BACK_AT", "1")):
                     back.touch()

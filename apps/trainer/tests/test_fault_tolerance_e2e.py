@@ -184,7 +184,7 @@ def test_survivors_keep_stepping_and_the_restarted_group_catches_up(tmp_path, st
     hold = 12  # survivors wait for the restarted group before this batch
     envs = {g: {"FT_BACK_FILE": str(back), "FT_SLOW_SECONDS": "0.3", "FT_HOLD_AT": str(hold)}
             for g in range(GROUPS)}  # fmt: skip
-    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_RESTART_DELAY_S": "5"}  # away a while
+    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_RESTART_DELAY_S": "15"}  # away a while
     procs = _start_groups(
         start_lighthouse(),
         tmp_path,
@@ -244,7 +244,7 @@ def test_with_every_group_required_the_run_ends_as_if_nothing_failed(tmp_path, s
 def test_diloco_groups_train_on_without_a_killed_group_and_end_equal(tmp_path, start_lighthouse):
     """DiLoCo (synchronising every 4 steps) with one of three groups killed at step 6: the
     others synchronise without it at step 8; restarted from its checkpoint of step 4 (slowly:
-    it waits 10 s, so that it misses that synchronisation), it joins a later one (the others
+    it waits 15 s, so that it misses that synchronisation), it joins a later one (the others
     wait for it before step 12), receives the state, DiLoCo's included, and at the last step,
     a synchronisation of all three, every group holds the same weights."""
     _check_command_shape()
@@ -254,7 +254,7 @@ def test_diloco_groups_train_on_without_a_killed_group_and_end_equal(tmp_path, s
             "FT_HOLD_EXTRA_S": "3"}
         for g in range(GROUPS)
     }  # fmt: skip
-    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_BACK_AT": "4", "FT_RESTART_DELAY_S": "10"}
+    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_BACK_AT": "4", "FT_RESTART_DELAY_S": "15"}
     args = [*SMALL, "--fault_tolerance.min_replica_size", "2",
             "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]  # fmt: skip
     outputs = _finish(_start_groups(start_lighthouse(), tmp_path, args, envs), tmp_path)
