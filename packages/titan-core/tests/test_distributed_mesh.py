@@ -16,8 +16,13 @@ LAYOUTS = [
     dict(dp_replicate=2, cp=2),
     dict(pp=2, tp=2, dp_shard=1),
     dict(dp_replicate=4, dp_shard=1),
+    # Expert parallel borrows from dp_shard x cp: its inner ranks.
+    dict(dp_shard=4, ep=2),
+    dict(dp_shard=2, cp=2, ep=4),
+    dict(dp_replicate=2, dp_shard=2, ep=2),
+    dict(dp_shard=2, tp=2, ep=2),
 ]
-ROLES = ("dp", "dp_shard_cp", "dp_cp", "fsdp", "tp", "cp", "pp", "dp_replicate")
+ROLES = ("dp", "dp_shard_cp", "dp_cp", "fsdp", "tp", "cp", "pp", "dp_replicate", "ep", "ep_fsdp", "ep_tp")  # fmt: skip
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -44,6 +49,13 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             sizes["dp_allreduce"] = int(t.item())
         fsdp = dims.mesh("fsdp")
         sizes["fsdp_ndim"] = None if fsdp is None else fsdp.ndim
+        ep = dims.mesh("ep")
+        if ep is not None:  # which ranks exchange tokens, and which shard the same experts
+            sizes["ep_ranks"] = dist.get_process_group_ranks(ep.get_group())
+            ep_fsdp = dims.mesh("ep_fsdp")
+            sizes["ep_fsdp_ranks"] = sorted(
+                r for d in range(ep_fsdp.ndim) for r in dist.get_process_group_ranks(ep_fsdp.get_group(d))
+            )  # fmt: skip
         # Seeds: equal across everything but pp.
         seed = set_seed(1234, dims.world_mesh, vary_over=("pp",))
         # all_gather of tensors, not objects: object collectives need numpy, which torch alone lacks.
@@ -113,6 +125,28 @@ EXPECTED = {
         fsdp_ndim=1,
     ),
 }
+
+
+# Expert layouts: sizes, then (for rank 0 and rank 3) the ranks of their ep and ep_fsdp groups.
+EXPECTED |= {
+    7: dict(dp=4, dp_shard_cp=4, fsdp=4, ep=2, ep_fsdp=2, ep_tp=None),
+    8: dict(dp=2, dp_shard_cp=4, fsdp=4, ep=4, ep_fsdp=1, ep_tp=None),
+    9: dict(dp=4, dp_shard_cp=2, fsdp=4, ep=2, ep_fsdp=2, ep_tp=None),
+    10: dict(dp=2, dp_shard_cp=2, fsdp=2, tp=2, ep=2, ep_fsdp=1, ep_tp=4),
+}
+EP_GROUPS = {  # layout -> {rank: (ep ranks, ep_fsdp ranks)}
+    7: {0: ([0, 1], [0, 2]), 3: ([2, 3], [1, 3])},
+    8: {0: ([0, 1, 2, 3], [0]), 3: ([0, 1, 2, 3], [3])},
+    9: {0: ([0, 1], [0, 0, 2]), 3: ([2, 3], [1, 3, 3])},
+    10: {0: ([0, 2], [0]), 3: ([1, 3], [3])},
+}
+
+
+@pytest.mark.parametrize("index", list(EP_GROUPS), ids=[str(LAYOUTS[i]) for i in EP_GROUPS])
+def test_expert_parallel_borrows_the_inner_data_parallel_ranks(mesh_results, index):
+    for rank, (ep, ep_fsdp) in EP_GROUPS[index].items():
+        got = mesh_results[rank][index]
+        assert (got["ep_ranks"], got["ep_fsdp_ranks"]) == (ep, ep_fsdp), rank
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[str(layout) for layout in LAYOUTS])

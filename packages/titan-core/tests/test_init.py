@@ -101,3 +101,15 @@ def test_block_seeds_are_distinct_and_stable():
     assert block_seed(7, "layers.3.attention.wq.weight", 2) == block_seed(
         7, "layers.3.attention.wq.weight", 2
     )
+
+
+def test_buffers_the_plan_names_are_filled_too():
+    # State saved with the weights (a mixture-of-experts layer's expert bias) starts from the
+    # plan like a parameter; buffers the plan does not name are left alone.
+    model = nn.Linear(3, 3, bias=False)
+    model.register_buffer("expert_bias", torch.full((3,), float("nan")))
+    model.register_buffer("other", torch.full((3,), 7.0))
+    plan = {"weight": ParamInit("normal"), "expert_bias": ParamInit("constant", value=0.0)}
+    assert init_from_plan_(model, plan, seed=0) == []
+    assert torch.equal(model.expert_bias, torch.zeros(3))
+    assert torch.equal(model.other, torch.full((3,), 7.0))

@@ -10,7 +10,19 @@ above 1 become mesh dimensions. Roles that span several dimensions are flattened
     "dp_cp"       dp_replicate x dp_shard x cp   ranks over which the loss is averaged
     "fsdp"        (dp_replicate,) dp_shard_cp    the 1-D or 2-D (HSDP) mesh fully_shard takes
 
-Meshes are created on first use; `mesh(name)` returns None for a role whose degree is 1.
+Expert parallel (`ep`) is not a dimension of its own: it borrows its ranks from dp_shard x cp,
+whose flattened mesh is split into (ep_shard, ep), ep the inner (closest) ranks:
+
+    "ep"          ep                             ranks that hold different experts and
+                                                 exchange tokens (all-to-all)
+    "ep_fsdp"     (dp_replicate,) ep_shard       the mesh FSDP shards expert weights over:
+                                                 dp_shard_cp / ep ranks (possibly 1), HSDP
+                                                 with dp_replicate
+    "ep_tp"       ep x tp                        the 2-D mesh of expert weights split by both
+                                                 expert and tensor parallel
+
+Meshes are created on first use; `mesh(name)` returns None for a role whose degree is 1
+(`ep_fsdp` exists whenever ep > 1, `ep_tp` whenever ep > 1 and tp > 1).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ _KEYS = {
     "pp": "pipeline_parallel_degree",
     "ep": "expert_parallel_degree",
 }
+_EXPERT = ("ep", "ep_fsdp", "ep_tp")
 _FLAT = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "cp"),
@@ -144,6 +157,10 @@ class ParallelDims:
             return math.prod(getattr(self, d) for d in _FLAT[name])
         if name == "fsdp":
             return self.dp_replicate * self.dp_shard * self.cp
+        if name == "ep_fsdp":
+            return self.dp_replicate * self.dp_shard * self.cp // self.ep
+        if name == "ep_tp":
+            return self.ep * self.tp
         return getattr(self, name)
 
     # ------------------------------------------------------------------ meshes
@@ -174,7 +191,9 @@ class ParallelDims:
     def _make_mesh(self, name: str) -> DeviceMesh | None:
         world = self.world_mesh
         present = set(world.mesh_dim_names or ())
-        if name != "ep" and self.degree(name) == 1:
+        if name in _EXPERT:
+            return self._expert_mesh(name) if self.ep > 1 else None
+        if self.degree(name) == 1:
             return None
         if name == "fsdp":
             shard = self.mesh("dp_shard_cp")
@@ -190,10 +209,9 @@ class ParallelDims:
             if len(parts) == 1:
                 return world[parts[0]]
             return world[tuple(parts)]._flatten(name)
-        if name not in _ORDER and name != "ep":
-            raise KeyError(f"unknown mesh {name!r}; known: {', '.join((*_ORDER, *_FLAT, 'fsdp'))}")
-        if name == "ep":
-            return None if self.ep == 1 else self._ep_mesh()
+        if name not in _ORDER:
+            known = ", ".join((*_ORDER, *_FLAT, "fsdp", *_EXPERT))
+            raise KeyError(f"unknown mesh {name!r}; known: {known}")
         return world[name] if name in present else None
 
     def _flatten_pair(self, outer: str, inner: str) -> DeviceMesh:
@@ -206,8 +224,23 @@ class ParallelDims:
             parts = [inner]
         return self.world_mesh[(outer, *parts)]
 
-    def _ep_mesh(self) -> DeviceMesh:
-        raise ValueError(
-            "expert parallel (ep > 1) needs a mixture-of-experts model, and no model here has experts;"
-            " set expert_parallel_degree = 1"
-        )
+    def _expert_mesh(self, name: str) -> DeviceMesh | None:
+        # dp_shard x cp (one mesh, flattened when both are on) split into (ep_shard, ep):
+        # views of the world mesh's ranks, so FSDP and DTensor can combine them with the others.
+        if name == "ep_tp":
+            if self.tp == 1:
+                return None
+            # A mesh whose dimensions come from two views of the world mesh: torch has no public
+            # call for that, and FSDP itself builds its meshes of DTensor parameters this way.
+            return DeviceMesh._concatenate([self.mesh("ep"), self.world_mesh["tp"]])
+        if "_ep_split" not in self._meshes:
+            shard = self.dp_shard * self.cp // self.ep
+            self._meshes["_ep_split"] = self.mesh("dp_shard_cp")._unflatten(
+                0, (shard, self.ep), ("ep_shard", "ep")
+            )
+        split = self._meshes["_ep_split"]
+        if name == "ep":
+            return split["ep"]
+        if not self.dp_replicate_enabled:
+            return split["ep_shard"]
+        return DeviceMesh._concatenate([self.world_mesh["dp_replicate"], split["ep_shard"]])

@@ -1,7 +1,7 @@
 """The small contracts through which Titan's packages meet without importing each other.
 
 titan-models describes a model with a `ModelSpec`; titan-parallel reads the model's
-`TPPlan` and block container; titan-ckpt reads its `HFAdapter`; titan-data is found through a
+`TPPlan`, its mixture-of-experts layers' `MoEPlan`s and its block container; titan-ckpt reads its `HFAdapter`; titan-data is found through a
 `DataSpec`; Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`;
 optimizer packages an `OptimizerFactory`.
 Everything here is plain data or a `typing.Protocol`: a third-party package satisfies it
@@ -26,6 +26,7 @@ TPStyle = Literal[
     "sequence_parallel",  # a norm that runs on sequence-sharded activations when SP is on
     "block_input",  # a module (attention, feed-forward) whose first input is gathered from sequence shards
     "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
+    "per_head",  # a module applied to each head of [batch, seq, heads, head_dim] (QK-norm): weights replicated, gradients summed over the ranks' heads
 ]
 """How one submodule is split across the tensor-parallel group (see `TPPlan`)."""
 
@@ -49,6 +50,51 @@ class TPPlan:
     """Sizes that must divide by the TP degree, by name (e.g. {"n_heads": 32, "n_kv_heads": 8})."""
 
 
+ExpertSplit = Literal[
+    "colwise",  # split along the hidden features a weight produces (w1, w3 of a SwiGLU)
+    "rowwise",  # split along the hidden features a weight consumes (w2); partial sums result
+]
+"""How expert tensor parallel splits one weight of a mixture-of-experts layer (see `MoEPlan`)."""
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """A mixture-of-experts layer's plan, as data: what expert parallel (EP) and tensor
+    parallel (TP) need to know to split it. Names are relative to the layer.
+
+    The layer gives it from a `moe_plan()` method; titan-parallel finds every such layer in
+    the model's blocks, so a model needs nothing else to get EP. The layer itself routes the
+    tokens and weighs the results; parallelism hooks in at three points only:
+
+    - `experts` is called as `experts(x, counts) -> y`: `x` holds the routed token copies
+      sorted by expert (`counts[e]` rows for expert e, a 1-D integer tensor of `num_experts`),
+      and `y` has one row per row of `x`, in the same order. Its weights named in
+      `expert_weights` stack the experts along dimension 0, shaped (experts, in, out), and it
+      computes with their local shards (`w.to_local()` when `w` is a DTensor). Under EP the
+      call is replaced by: send each row to the rank that holds its expert (all-to-all), run
+      the local experts on the rows received (with their own counts), send the results back.
+    - `router` returns a tuple whose first element is the routing weights. When
+      `weights_scale_outputs` (the experts' outputs are multiplied by them, not their
+      inputs), TP sums those weights' gradient over the TP ranks: each rank holds a partial
+      sum of every expert output there.
+    - under TP the layer receives its tokens gathered along the sequence and returns partial
+      sums that are reduced (scattered back along the sequence with sequence parallel).
+    """
+
+    num_experts: int
+    experts: str = "experts"
+    expert_weights: Mapping[str, ExpertSplit] = field(
+        default_factory=lambda: {"w1": "colwise", "w3": "colwise", "w2": "rowwise"}
+    )
+    """The stacked expert weights and how expert TP splits each: colwise along dimension 2
+    (out), rowwise along dimension 1 (in)."""
+    router: str = "router"
+    weights_scale_outputs: bool = True
+    shared_experts: Mapping[str, ExpertSplit] = field(default_factory=dict)
+    """nn.Linear modules every token goes through (shared experts) and their TP split, e.g.
+    {"shared_experts.w1": "colwise", "shared_experts.w2": "rowwise", ...}."""
+
+
 class ParallelizableModel(Protocol):
     """What titan-parallel and the trainer need from a model.
 
@@ -60,7 +106,8 @@ class ParallelizableModel(Protocol):
 
     Optional: `init_plan()` and `init_buffers(buffer_device)` (initial values as data, which
     titan-parallel's `init_weights_exact` uses to initialise any layout without holding the
-    whole model; see `titan_core.init`).
+    whole model; see `titan_core.init`). Mixture-of-experts layers inside the blocks give
+    their own `moe_plan()` (a `MoEPlan`), which expert and tensor parallel read.
 
     Check a model with `parallelizable_problems(model)`, not `isinstance`: from Python 3.12,
     `isinstance` against a protocol looks members up statically and cannot see an
