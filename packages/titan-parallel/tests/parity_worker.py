@@ -308,7 +308,7 @@ def run_naive_case(case: Case) -> dict:
         ranger21.row_sums_groups, ranger21.total_sums_groups = saved
 
 
-def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_file: str) -> None:
+def _worker(rank: int, world: int, init_file: str, cases: list, out_file: str, runner=None) -> None:
     t0 = time.perf_counter()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -318,7 +318,9 @@ def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_file: 
     for case in cases:
         t0 = time.perf_counter()
         try:
-            if case.extra.get("naive"):
+            if runner is not None:
+                results[case.name] = runner(case)
+            elif case.extra.get("naive"):
                 results[case.name] = run_naive_case(case)
             else:
                 results[case.name] = run_case(case)
@@ -334,13 +336,13 @@ def _worker(rank: int, world: int, init_file: str, cases: list[Case], out_file: 
 class Launched:
     """Ranks started by `start_cases`, running in the background until `results()`."""
 
-    def __init__(self, world: int, cases: list[Case], timeout: float):
+    def __init__(self, world: int, cases: list, timeout: float, runner=None):
         self._tmp = tempfile.TemporaryDirectory()
         self.world, self.out_file = world, os.path.join(self._tmp.name, "results.pt")
         self.deadline = time.monotonic() + timeout
         self.ctx = mp.start_processes(
             _worker,
-            args=(world, os.path.join(self._tmp.name, "init"), cases, self.out_file),
+            args=(world, os.path.join(self._tmp.name, "init"), cases, self.out_file, runner),
             nprocs=world,
             join=False,
             start_method="spawn",
@@ -358,9 +360,10 @@ class Launched:
             self._tmp.cleanup()
 
 
-def start_cases(world: int, cases: list[Case], timeout: float = 600.0) -> Launched:
-    """Start `world` ranks that run `cases`; collect with `.results()` (rank 0's results)."""
-    return Launched(world, cases, timeout)
+def start_cases(world: int, cases: list, timeout: float = 600.0, runner=None) -> Launched:
+    """Start `world` ranks that run `cases`; collect with `.results()` (rank 0's results).
+    `runner(case) -> dict` runs one case (a module-level function); default `run_case`."""
+    return Launched(world, cases, timeout, runner)
 
 
 def run_cases(world: int, cases: list[Case], timeout: float = 600.0) -> dict:

@@ -21,13 +21,18 @@ TIMEOUT_S = 300  # 4 ranks importing torch on a busy 2-core machine take ~40 s; 
 
 
 def shown_commands(page: Path) -> list[str]:
-    """The commands a page shows inline: `python example.py`, `[VAR=x ]torchrun ...`."""
+    """The commands a page shows inline: `python example.py`, `[VAR=x ]torchrun ...`, and the
+    same for the other examples a page saves (`moe_example.py`)."""
     text = " ".join(page.read_text().split())  # commands may wrap across lines
     return re.findall(r"`((?:[A-Z_]+=\S+ )*(?:python|torchrun) [^`]*example\.py[^`]*)`", text)
 
 
-def example_code(page: Path) -> str:
-    return re.search(r"```python\n(.*?)```", page.read_text(), re.S).group(1)
+def example_code(page: Path, script: str = "example.py") -> str:
+    """The code the page asks to save as `script`: the first Python block after the script's
+    name first appears (`example.py`: the page's first block)."""
+    text = page.read_text()
+    start = 0 if script == "example.py" else text.index(f"`{script}`")
+    return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
 
 
 class Shown:
@@ -35,7 +40,8 @@ class Shown:
 
     def __init__(self, command: str, page: Path, folder: Path):
         self.command = command
-        (folder / "example.py").write_text(example_code(page))
+        script = re.search(r"(\w*example\.py)", command).group(1)
+        (folder / script).write_text(example_code(page, script))
         # `python` and `torchrun` are the ones of the environment the tests run in.
         bin_dir = str(Path(sys.executable).parent)
         env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -86,6 +92,8 @@ def test_the_pages_show_the_commands_tested_here() -> None:
         "python example.py",
         "torchrun --standalone --nproc-per-node 2 example.py",
         "TP=2 torchrun --standalone --nproc-per-node 4 example.py",
+        "python moe_example.py",
+        "torchrun --standalone --nproc-per-node 2 moe_example.py",
     ]
     assert shown_commands(GUIDE) == [
         "torchrun --standalone --nproc-per-node 2 example.py pp",
@@ -93,7 +101,10 @@ def test_the_pages_show_the_commands_tested_here() -> None:
     ]
 
 
-@pytest.mark.parametrize("command", shown_commands(README))
+MOE = [c for c in shown_commands(README) if "moe_example.py" in c]
+
+
+@pytest.mark.parametrize("command", [c for c in shown_commands(README) if c not in MOE])
 def test_readme_command_trains_three_steps(command: str, shown: dict) -> None:
     lines = shown[command].output().strip().splitlines()
     # Rank 0 prints one line per step; every rank took part in the loss reduction.
@@ -109,3 +120,14 @@ def test_guide_command_trains(command: str, shown: dict) -> None:
     losses = [float(x) for x in lines[0].split()]
     assert len(losses) == 5
     assert losses[-1] < losses[0] - 0.1, losses  # five steps on one batch learn something
+
+
+def test_readme_moe_example_prints_the_same_losses_with_experts_split_over_2_processes(
+    shown: dict,
+) -> None:
+    one, two = (shown[c].output().strip().splitlines() for c in MOE)
+    assert [line.split(" |")[0] for line in two] == ["step 0", "step 1", "step 2"], two
+    losses = [[float(line.split("loss ")[1].split(" |")[0]) for line in out] for out in (one, two)]
+    # Printed to 4 decimals; EP over gloo sums in another order (~1e-7 relative).
+    assert losses[0] == pytest.approx(losses[1], abs=2e-4), losses
+    assert losses[1][-1] < losses[1][0]

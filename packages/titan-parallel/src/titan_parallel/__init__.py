@@ -1,5 +1,5 @@
 """titan-parallel: apply FSDP2/HSDP/DDP, tensor parallel (with sequence and loss parallel),
-pipeline and context parallel, activation checkpointing and torch.compile to a block-structured
+expert parallel for mixture-of-experts layers, pipeline and context parallel, activation checkpointing and torch.compile to a block-structured
 model; the distributed utilities a training loop needs with them (global gradient clipping,
 metric reduction, exact initialisation under sharding); optimizers whose statistics are exact
 under sharding (Ranger21, AdamW with bfloat16 states); per-rank memory estimates of any
@@ -31,6 +31,7 @@ from titan_parallel.data_parallel import (
     autocast_context,
     resolve_reshard_after_forward,
 )
+from titan_parallel.expert_parallel import apply_ep, expert_parallel_problems, moe_layers
 from titan_parallel.fault_tolerance import (
     FaultToleranceConfig,
     ReplicaGroup,
@@ -102,6 +103,9 @@ __all__ = [
     "apply_ac",
     "apply_compile",
     "apply_ddp",
+    "apply_ep",
+    "expert_parallel_problems",
+    "moe_layers",
     "apply_fsdp",
     "apply_tp",
     "autocast_context",

@@ -5,7 +5,8 @@ Modes (the [activation_checkpoint] section):
 - `full`: every block is checkpointed; only its input is kept.
 - `selective` with `selective_ac_option = "k"`: every k-th block is checkpointed fully.
 - `selective` with `"op"`: every block is checkpointed, but the outputs of the expensive ops
-  in `SAVE_OPS` (matmuls, attention kernels, TP's reduce-scatter/all-reduce) are kept, so
+  in `SAVE_OPS` (matmuls, attention kernels, TP's reduce-scatter/all-reduce, expert parallel's
+  all-to-all) are kept, so
   backward recomputes only the cheap element-wise work. All of them are kept, not every other
   matmul as torchtitan does: that uses more memory than torchtitan's policy but needs no
   per-forward counting, and the recomputation cost is the smallest possible.
@@ -46,8 +47,22 @@ SAVE_OPS = _ops(
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "_c10d_functional.reduce_scatter_tensor.default",
     "_c10d_functional.all_reduce.default",
+    "_c10d_functional.all_to_all_single.default",
 )
 """Ops whose outputs selective `op` checkpointing keeps instead of recomputing."""
+
+
+# Profiler annotations (record_function) are not computations: replay them as they come. FSDP's
+# hooks of expert-parallel experts run inside a checkpointed block and annotate a different
+# number of times in forward and in recomputation, which SAC would take for a mismatch.
+torch.utils.checkpoint.SAC_IGNORED_OPS.update(
+    _ops(
+        "profiler._record_function_enter.default",
+        "profiler._record_function_enter_new.default",
+        "profiler._record_function_exit.default",
+        "profiler._record_function_exit._RecordFunction",
+    )
+)
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

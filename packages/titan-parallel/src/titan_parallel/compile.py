@@ -14,7 +14,9 @@ from titan_parallel.config import Compile
 def apply_compile(model: nn.Module, compile: Compile) -> None:
     """Compile each block of `model.layers` in place (`nn.Module.compile`, so parameter names
     stay unchanged) with `fullgraph=True`: a graph break inside a block is an error to fix,
-    not a silent slowdown. Does nothing unless `compile.enable` and "model" is a component.
+    not a silent slowdown (blocks with expert-parallel experts excepted: the token exchange
+    runs eagerly between graphs). Does nothing unless `compile.enable` and "model" is a
+    component.
 
     Apply it after tensor parallel and activation checkpointing and before FSDP, so that
     FSDP's hooks run outside the compiled graph.
@@ -22,7 +24,10 @@ def apply_compile(model: nn.Module, compile: Compile) -> None:
     if not compile.compiles("model"):
         return
     for block in model.layers.values():
-        block.compile(backend=compile.backend, fullgraph=True)
+        # Expert parallel's token exchange reads split sizes on the host and runs outside
+        # the graph: a block holding it is compiled in the pieces around it.
+        whole = not any(hasattr(m, "_titan_expert_shards") for m in block.modules())
+        block.compile(backend=compile.backend, fullgraph=whole)
 
 
 def compile_loss(loss_fn: Callable, compile: Compile) -> Callable:

@@ -61,7 +61,14 @@ class Parallelism:
     module_fqns_per_model_part: list[list[str]] | None = None
     """Explicit module names per pipeline stage, e.g. [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]."""
     expert_parallel_degree: int = 1
-    """Number of ranks experts are split over (mixture-of-experts models only)."""
+    """Number of ranks the experts of mixture-of-experts layers are split over (each holds
+    num_experts / degree whole experts; tokens travel to them by all-to-all). Borrowed from
+    data_parallel_shard x context_parallel, which it must divide; FSDP shards the expert
+    weights over the ranks it leaves."""
+    expert_tensor_parallel_degree: int = -1
+    """Ranks each expert's hidden features are split over: Titan splits experts over the
+    tensor-parallel ranks, so -1 (the default) or tensor_parallel_degree; 1 with TP on
+    (torchtitan's experts whole under TP, tokens split over the TP ranks) is not implemented."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -94,11 +101,24 @@ class Parallelism:
                 f"[parallelism] pipeline_parallel_layers_per_stage = {self.pipeline_parallel_layers_per_stage}"
                 " is not valid\nuse 1 or more, or leave it unset"
             )
+        problems += self.expert_tp_problems()
         if self.context_parallel_degree > 1:
             from titan_parallel.context_parallel import check_cp_support
 
             problems += check_cp_support()
         return problems
+
+    def expert_tp_problems(self) -> list[str]:
+        """`expert_tensor_parallel_degree` must follow tensor_parallel_degree."""
+        etp, tp = self.expert_tensor_parallel_degree, self.tensor_parallel_degree
+        if etp in (-1, tp):
+            return []
+        return [
+            f"[parallelism] expert_tensor_parallel_degree = {etp} with tensor_parallel_degree = {tp}:"
+            " Titan splits every expert's hidden features over the tensor-parallel ranks\n"
+            f"set expert_tensor_parallel_degree = {tp} (or -1, the default, which follows"
+            " tensor_parallel_degree)"
+        ]
 
     @property
     def loss_parallel_enabled(self) -> bool:

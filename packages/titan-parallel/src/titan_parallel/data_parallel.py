@@ -23,6 +23,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import Shard
 
 ReshardAfterForward = Literal["default", "always", "never"]
 
@@ -75,6 +76,9 @@ def apply_fsdp(
     ]
     # Each pre-block module, each block, and the post-block modules together: one FSDP group
     # each, unless they share a parameter (see _fsdp_groups).
+    # Expert-parallel experts first: their weights are sharded over other ranks than the rest
+    # (see titan_parallel.expert_parallel), and a block's group then leaves them out.
+    _shard_experts(model, reshard, common)
     units = [[m] for m in pre] + [[b] for b in blocks] + ([post] if post else [])
     last_block = blocks[-1] if blocks else None
     groups = _fsdp_groups(model, units)
@@ -90,6 +94,29 @@ def apply_fsdp(
         )
     fully_shard(model, reshard_after_forward=reshard, **common)
     _set_prefetch([group[0] for group in groups])
+
+
+def _shard_experts(model: nn.Module, reshard: bool, common: dict) -> None:
+    from titan_parallel.expert_parallel import expert_shards
+
+    for experts, shards in expert_shards(model):
+        holders = shards.fsdp_mesh.shape[-1]  # ranks that split one EP rank's experts
+
+        def placement(param: nn.Parameter, holders: int = holders, ep: int = shards.ep) -> Shard:
+            # Whole experts per rank when they divide evenly, else split each along dim 1.
+            return Shard(0) if (param.shape[0] // ep) % holders == 0 else Shard(1)
+
+        fully_shard(
+            experts,
+            reshard_after_forward=reshard,
+            shard_placement_fn=placement,
+            **{**common, "mesh": shards.fsdp_mesh},
+        )
+        experts.set_gradient_divide_factor(shards.divide_factor)
+        if shards.fsdp_mesh.device_type == "cpu" and holders > 1:
+            # A divisor other than the group's size is a pre-multiplied sum, which gloo lacks:
+            # sum, then divide. (Not with one holder: torch 2.15 would divide twice.)
+            experts.set_force_sum_reduction_for_comms(True)
 
 
 def _fsdp_groups(model: nn.Module, units: list[list[nn.Module]]) -> list[list[nn.Module]]:

@@ -1,13 +1,15 @@
 """Gradient-norm clipping and metric reduction that see every rank's share of the model.
 
-Under FSDP, TP and PP each rank holds a different part of each gradient, and gradients live on
-different meshes (1-D FSDP for a norm weight, 2-D FSDP x TP for a linear, one mesh per
-pipeline stage). The true norm is computed per mesh group with DTensor (which reduces over
+Under FSDP, TP, EP and PP each rank holds a different part of each gradient, and gradients
+live on different meshes (1-D FSDP for a norm weight, 2-D FSDP x TP for a linear, FSDP x EP
+(x TP) for the experts of a mixture-of-experts layer, one mesh per pipeline stage). The true norm is computed per mesh group with DTensor (which reduces over
 that mesh), combined across groups, and summed across pipeline stages through `pp_mesh`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -26,6 +28,11 @@ def _grads(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tens
 
 
 def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
+    with _quiet_sequential_reductions():
+        return _mesh_norm(grads, norm_type, foreach)
+
+
+def _mesh_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     if not isinstance(norm, DTensor):
         return norm
@@ -37,6 +44,30 @@ def _group_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | Non
         local = local.to(mesh.device_type)
         norm = DTensor.from_local(local, mesh, norm.placements, run_check=False)
     return norm.full_tensor()
+
+
+@contextlib.contextmanager
+def _quiet_sequential_reductions():
+    # Expert weights live on a mesh of several data-parallel views (ep_shard x ep, see
+    # titan_core.ParallelDims), over which DTensor reduces a norm in one all-reduce per mesh
+    # dimension and warns, every step, that a flattened mesh would take one. For a scalar the
+    # extra all-reduce costs nothing; the warning would only fill the logs.
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    quiet = _DropMessages("While redistributing from")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def total_grad_norm(

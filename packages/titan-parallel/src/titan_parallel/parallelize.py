@@ -1,8 +1,9 @@
 """`parallelize`: the one call that applies every parallelism to a model built on the meta device.
 
 Order matters and is fixed: tensor parallel first (it changes parameters into DTensors on the
-TP mesh), then activation checkpointing (wraps blocks), then compile (compiles the wrapped
-blocks), then FSDP/HSDP or DDP (shards what TP left, and keeps its hooks outside compiled code).
+TP mesh), then expert parallel (mixture-of-experts layers: experts over the EP and TP meshes),
+then activation checkpointing (wraps blocks), then compile (compiles the wrapped blocks), then
+FSDP/HSDP or DDP (shards what TP and EP left, and keeps its hooks outside compiled code).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from titan_parallel.config import (
     check_parallelize_config,
 )
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_parallel.expert_parallel import apply_ep
 from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
 from titan_parallel.tied import keep_ties_on_conversion
 
@@ -38,7 +40,8 @@ def parallelize(
     reduce_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """Apply TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to `model`, in place.
+    """Apply TP -> EP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to `model`, in
+    place (EP, with the TP of mixture-of-experts layers, whenever the model has such layers).
 
     `model` follows `titan_core.protocols.ParallelizableModel` (blocks in `model.layers`) and
     is usually on the meta device; afterwards call `model.to_empty(device=...)` and initialise
@@ -71,6 +74,9 @@ def parallelize(
             loss_parallel=parallelism.loss_parallel_enabled,
             async_tp=parallelism.enable_async_tensor_parallel,
         )
+    apply_ep(
+        model, dims, sequence_parallel=dims.tp_enabled and parallelism.enable_sequence_parallel
+    )
     apply_ac(model, ac)
     if dims.tp_enabled:
         copy_block_inputs(model)

@@ -69,8 +69,13 @@ def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle
             output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
             use_local_output=not loss_parallel_on,
         )
+    if style == "per_head":
+        # Each rank holds its own heads (dim 2): the weight, the same for every head, is
+        # replicated and its gradient summed over the ranks, with or without SP.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(
-        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input, embedding, output"
+        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input,"
+        " embedding, output, per_head"
     )
 
 
