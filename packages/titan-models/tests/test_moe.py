@@ -177,3 +177,20 @@ def test_inconsistent_arguments_are_named():
     for k, g in itertools.product([5], [1]):
         with pytest.raises(ValueError, match="more than the experts"):
             MoE(DIM, MoEArgs(num_experts=8, top_k=k, num_groups=4, top_k_groups=g))
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_moe_plan_names_what_expert_and_tensor_parallel_split(shared):
+    # titan-parallel reads this plan (it cannot import this package): the names must resolve,
+    # the expert weights stack the experts along dim 0, and the experts are called as
+    # experts(x, counts) with x sorted by expert.
+    layer = _moe(num_shared_experts=shared)
+    plan = layer.moe_plan()
+    assert plan.num_experts == 8 and layer.get_submodule(plan.experts) is layer.experts
+    assert layer.get_submodule(plan.router) is layer.router and plan.weights_scale_outputs
+    for name, split in plan.expert_weights.items():
+        weight = getattr(layer.experts, name)
+        assert weight.shape[0] == 8 and split in ("colwise", "rowwise")
+    assert dict(plan.expert_weights) == {"w1": "colwise", "w3": "colwise", "w2": "rowwise"}
+    shared_linears = {n for n, m in layer.named_modules() if n.startswith("shared_experts.")}
+    assert set(plan.shared_experts) == shared_linears

@@ -128,6 +128,22 @@ def test_export_refuses_a_trained_expert_bias():
         Qwen3HFAdapter(args).to_hf(state)
 
 
+def test_expert_bias_starts_at_zero_from_the_plan_whatever_memory_held():
+    # A saved buffer that the routing reads: sharded runs initialise from the plan alone
+    # (titan-parallel's init_weights_exact), so the plan must name it.
+    from titan_core.init import init_from_plan_
+
+    args = dataclasses.replace(qwen3_flavors["debugmodel_moe"], n_layers=2)
+    with torch.device("meta"):
+        model = Qwen3Transformer(args)
+    model.to_empty(device="cpu")
+    for block in model.layers.values():
+        block.feed_forward.expert_bias.fill_(float("nan"))
+    assert init_from_plan_(model, model.init_plan(), seed=0) == []
+    for block in model.layers.values():
+        assert torch.equal(block.feed_forward.expert_bias, torch.zeros(8))
+
+
 def test_the_family_is_registered_as_qwen3():
     from titan_core import plugins, resolve
 

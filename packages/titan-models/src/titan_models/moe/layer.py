@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.init import ParamInit
+from titan_core.protocols import MoEPlan
 from titan_models.moe.args import MoEArgs
 from titan_models.moe.experts import GroupedExperts
 from titan_models.moe.router import TopKRouter
@@ -92,9 +93,23 @@ class MoE(nn.Module):
         p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (B, E)
         return a.aux_loss_alpha * (f * p).sum(-1).mean()
 
+    def moe_plan(self) -> MoEPlan:
+        """How expert and tensor parallel may split this layer (titan-parallel reads it): the
+        routed experts stacked along dimension 0 and called as experts(x, counts); w1/w3 split
+        along their outputs and w2 along its inputs under TP; the routing weights scale the
+        experts' outputs."""
+        shared = (
+            {"shared_experts.w1": "colwise", "shared_experts.w3": "colwise", "shared_experts.w2": "rowwise"}
+            if self.shared_experts is not None
+            else {}
+        )  # fmt: skip
+        return MoEPlan(num_experts=self.args.num_experts, shared_experts=shared)
+
     def init_plan(self, std: float, out_std: float) -> dict[str, ParamInit]:
         """How this layer's parameters start, by name relative to it: `std` for what reads the
-        input (router, w1, w3), `out_std` for what writes into the residual stream (w2)."""
+        input (router, w1, w3), `out_std` for what writes into the residual stream (w2). The
+        expert bias, a buffer saved with the weights, starts at zero: a model's plan names it
+        too (`init_from_plan_` fills the buffers a plan names)."""
         names = ["router.gate.weight", "experts.w1", "experts.w3"]
         out = ["experts.w2"]
         if self.shared_experts is not None:

@@ -65,14 +65,20 @@ def block_init_plan(layer_id: int, args: Qwen3Args) -> dict[str, ParamInit]:
             outs += ["shared_experts.w2.weight"]
         plan |= {f"feed_forward.{n}": ParamInit.truncated(BASE_STD) for n in names}
         plan |= {f"feed_forward.{n}": ParamInit.truncated(out_std) for n in outs}
+        plan["feed_forward.expert_bias"] = ParamInit("constant", value=0.0)  # a buffer, saved
     return plan
 
 
-def _head_norm(norm: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """QK-norm in float32 whatever the compute dtype (the projections' output may be bf16 and
-    the scale fp32, or the reverse under FSDP's mixed precision), back in x's dtype."""
-    weight = norm.weight.float() if norm.weight is not None else None
-    return F.rms_norm(x.float(), norm.normalized_shape, weight, norm.eps).type_as(x)
+class HeadNorm(nn.RMSNorm):
+    """QK-norm: an RMSNorm over each head's features of [batch, seq, heads, head_dim], in
+    float32 whatever the compute dtype (the projections' output may be bf16 and the scale
+    fp32, or the reverse under FSDP's mixed precision), back in x's dtype. A module call, so
+    that tensor parallel can hook it (TPStyle `per_head`: each rank normalises its own heads
+    with the one shared weight, whose gradient is summed over the ranks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.float() if self.weight is not None else None
+        return F.rms_norm(x.float(), self.normalized_shape, weight, self.eps).type_as(x)
 
 
 class Attention(nn.Module):
@@ -84,8 +90,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.q_norm = HeadNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = HeadNorm(args.head_dim, eps=args.norm_eps)
 
     def forward(
         self,
@@ -95,8 +101,8 @@ class Attention(nn.Module):
         start: int = 0,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = _head_norm(self.q_norm, self.wq(x).view(batch, seq_len, -1, self.head_dim))
-        k = _head_norm(self.k_norm, self.wk(x).view(batch, seq_len, -1, self.head_dim))
+        q = self.q_norm(self.wq(x).view(batch, seq_len, -1, self.head_dim))
+        k = self.k_norm(self.wk(x).view(batch, seq_len, -1, self.head_dim))
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         if kv_cache is not None:
@@ -214,8 +220,8 @@ class Qwen3Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def tp_plan(self) -> TPPlan:
-        """Attention and the dense feed-forward; a MoE layer's experts are sharded by expert
-        parallel, not by this plan (its module stays replicated under TP)."""
+        """Attention and the dense feed-forward. A MoE layer is split by its own plan
+        (`MoE.moe_plan()`, which titan-parallel reads under TP and EP), not by this one."""
         block = {
             "attention_norm": "sequence_parallel",
             "attention": "block_input",
@@ -223,6 +229,8 @@ class Qwen3Transformer(nn.Module):
             "attention.wk": "colwise",
             "attention.wv": "colwise",
             "attention.wo": "rowwise",
+            "attention.q_norm": "per_head",
+            "attention.k_norm": "per_head",
             "ffn_norm": "sequence_parallel",
         }
         if self.args.moe is None:
