@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,43 @@ def run_cli(
     args: list[str], nproc: int = 1, timeout: float = 600, env_extra: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run the trainer the way a user does: `python -m titan_trainer` or torchrun for several ranks."""
+    return start_cli(args, nproc, env_extra).result(timeout)
+
+
+class Started:
+    """A trainer command running in the background (see `start_cli`). Its output goes to
+    files, not pipes: a run that is not being read must never block on a full pipe while its
+    other ranks wait for it in a collective."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.cmd = cmd
+        # Open until `result()` reads and closes them.
+        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        # Its own session, so that a timeout (or pytest-timeout) stops torchrun and every
+        # rank it started: a rank left behind would hold the CPU for the rest of the run.
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.out, stderr=self.err, text=True, env=env, start_new_session=True
+        )
+
+    def result(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        except BaseException:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+        outputs = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            outputs.append(f.read())
+            f.close()
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, *outputs)
+
+
+def start_cli(args: list[str], nproc: int = 1, env_extra: dict | None = None) -> Started:
+    """`run_cli` without waiting: several runs can share the machine (much of a run is
+    importing torch and waiting at rendezvous). Collect with `.result(timeout)`."""
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -35,23 +73,7 @@ def run_cli(
             "titan_trainer",
             *args,
         ]
-    # Its own session, so that a timeout (or pytest-timeout) stops torchrun and every rank
-    # it started: a rank left behind would hold the CPU for the rest of the test run.
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return Started(cmd, env)
 
 
 def parse_losses(stdout: str) -> dict[int, float]:

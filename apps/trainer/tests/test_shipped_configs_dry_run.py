@@ -2,12 +2,17 @@
 
 The command is the one the trainer README shows. For the 405B config it simulates the first and
 the last of its 8 pipeline ranks (the ones whose stages hold the embedding and the loss); the
-named nox session `dryrun-405b` simulates all 8.
+named nox session `dryrun-405b` simulates all 8. The Qwen3-235B-A22B config's simulation (94
+blocks of 128 experts, about two minutes here) runs in the named session `dryrun-235b`; the
+default suite checks what needs no simulation: its config at 128 ranks and the real-size model
+split by the trainer's own parallelize path on a fake 128-rank group.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 from conftest import TRAINER, run_cli
@@ -20,11 +25,15 @@ CONFIGS = {
     "qwen3_moe_debug": [],
     "qwen3_30b_a3b": [],
 }
+SESSION_ONLY = {"qwen3_235b_a22b": "dryrun-235b"}  # config -> the nox session that simulates it
 
 
 def test_every_shipped_config_is_covered():
     shipped = sorted(p.stem for p in (TRAINER / "configs").glob("*.toml"))
-    assert shipped == sorted(CONFIGS)
+    assert shipped == sorted([*CONFIGS, *SESSION_ONLY])
+    noxfile = (TRAINER.parents[1] / "noxfile.py").read_text()
+    for name, session in SESSION_ONLY.items():
+        assert f'name="{session}"' in noxfile and f"configs/{name}.toml" in noxfile
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -47,3 +56,27 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
     print(out)  # the table, for the log
+
+
+def test_qwen3_235b_splits_at_full_size_over_its_128_ranks():
+    """The part of the 235B dry run that needs no simulation: the checks of its config at 128
+    ranks, and the real-size model (235B parameters, on the meta device) through the trainer's
+    own parallelize path on a fake 128-rank group: FSDP over 128, each rank holding 16 experts'
+    worth of expert parallel (8 ranks) cut by FSDP over the 16 ranks EP leaves."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("split_at_size.py")), "qwen3_235b_a22b"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["problems"] == [], report["problems"]
+    assert report["layout"] == "dp_shard 128 (ep 8)"
+    # 128 experts over EP 8: 16 per rank, cut by FSDP over the other 16 ranks: 1 each.
+    assert report["expert_w1"] == [1, 4096, 1536], report
+    # Every parameter is split 128 ways (the largest ones evenly): 235.1B / 128 = 1.84B.
+    assert 1.80e9 < report["local_parameters"] < 1.88e9, report

@@ -64,6 +64,7 @@ tensor_parallel_degree = 1
 context_parallel_degree = 1
 expert_parallel_degree = 1
 expert_tensor_parallel_degree = 1
+expert_parallel_comm_backend = "standard"
 
 [checkpoint]
 enable = false
@@ -104,11 +105,13 @@ def test_a_torchtitan_style_toml_loads_with_one_warning_naming_the_unimplemented
     assert len(warnings) == 1, warnings
     for key in (
         "[metrics] disable_color_printing",
-        "[parallelism] expert_tensor_parallel_degree",
+        "[parallelism] expert_parallel_comm_backend",
         "[training.dataloader] num_workers",
     ):
         assert key in warnings[0], warnings
     assert config.training.seed == 42  # [debug] seed is torchtitan's name for training.seed
+    # Implemented (experts split over the TP ranks; with TP off, 1 is what -1 means).
+    assert config.parallelism.expert_tensor_parallel_degree == 1
     assert config.training.local_batch_size == 8 and config.lr_scheduler.decay_ratio == 0.8
 
 

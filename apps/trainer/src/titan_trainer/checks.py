@@ -77,22 +77,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
     except ConfigError as e:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
-    has_experts = _has_experts(config)
-    if dims.ep > 1:
-        problems.append(
-            "[parallelism] expert_parallel_degree > 1: expert parallel is not in Titan yet (FSDP"
-            " shards the experts like the other weights)\nset expert_parallel_degree = 1"
-            if has_experts
-            else "[parallelism] expert_parallel_degree > 1 needs a mixture-of-experts model, and"
-            " this model has no experts\nset expert_parallel_degree = 1"
-        )
-    if has_experts and dims.tp > 1:
-        problems.append(
-            f"[parallelism] tensor_parallel_degree = {dims.tp} with {config.model.name}"
-            f" {config.model.flavor}, a mixture-of-experts model: its experts cannot be split by"
-            " tensor parallel yet\nuse FSDP (data_parallel_shard_degree), and pipeline parallel"
-            " for more"
-        )
+    problems += _expert_problems(config, dims)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
@@ -122,13 +107,27 @@ def check_config(config: JobConfig, world_size: int) -> None:
         raise ConfigError(problems)
 
 
-def _has_experts(config: JobConfig) -> bool:
-    """Whether the model the config names is a mixture of experts (its flavor has `moe`)."""
+def _expert_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Whether the model's mixture-of-experts layers split over this layout (EP degree dividing
+    the experts, TP the experts' hidden features), read from the model built on the meta
+    device; only when EP or TP is on (a dense model under TP needs nothing here)."""
+    import titan_parallel
+
+    if dims.ep == 1 and dims.tp == 1:
+        return []
     try:
-        flavor = resolve(plugins.MODELS, config.model.name).flavors[config.model.flavor]
+        spec = resolve(plugins.MODELS, config.model.name)
+        args = spec.flavors[config.model.flavor]
     except (PluginError, KeyError):
-        return False  # reported as such by the checks above
-    return getattr(flavor, "moe", None) is not None
+        return []  # reported as such by the checks above
+    if dims.ep == 1 and getattr(args, "moe", None) is None:
+        return []  # a dense flavor under TP: nothing to split here
+    with torch.device("meta"):
+        model = spec.build(args)
+    problems = titan_parallel.expert_parallel_problems(model, ep=dims.ep, tp=dims.tp)
+    if dims.tp > 1 and titan_parallel.moe_layers(model):
+        problems += config.parallelism.expert_tp_problems()
+    return problems
 
 
 def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[str]:

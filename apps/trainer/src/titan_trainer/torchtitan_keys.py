@@ -45,7 +45,6 @@ UNIMPLEMENTED: frozenset[str] = frozenset(
         "optimizer.early_step_in_backward",
         "parallelism.context_parallel_load_balancer",
         "parallelism.expert_parallel_comm_backend",
-        "parallelism.expert_tensor_parallel_degree",
         "parallelism.pipeline_parallel_expert_parallel_overlap",
         "profiling.profiler_active",
         "profiling.profiler_warmup",

@@ -681,13 +681,15 @@ def window_metrics(
 
 
 def layout_text(dims: ParallelDims) -> str:
-    """The layout in one phrase: `dp_shard 8 x tp 8`, or `single process`."""
+    """The layout in one phrase: `dp_shard 8 x tp 8`, `dp_shard 16 (ep 8)` (expert parallel
+    borrows its ranks from dp_shard x cp), or `single process`."""
     parts = [
         f"{name} {getattr(dims, name)}"
         for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
         if getattr(dims, name) > 1
     ]
-    return " x ".join(parts) or "single process"
+    text = " x ".join(parts) or "single process"
+    return f"{text} (ep {dims.ep})" if dims.ep > 1 else text
 
 
 def dp_coordinates(dims: ParallelDims) -> tuple[int, int]:

@@ -66,9 +66,10 @@ class Parallelism:
     data_parallel_shard x context_parallel, which it must divide; FSDP shards the expert
     weights over the ranks it leaves."""
     expert_tensor_parallel_degree: int = -1
-    """Ranks each expert's hidden features are split over: Titan splits experts over the
-    tensor-parallel ranks, so -1 (the default) or tensor_parallel_degree; 1 with TP on
-    (torchtitan's experts whole under TP, tokens split over the TP ranks) is not implemented."""
+    """Ranks each expert's hidden features are split over (mixture-of-experts models): Titan
+    splits experts over the tensor-parallel ranks, so -1 (the default) or
+    tensor_parallel_degree; 1 with TP on (torchtitan's whole experts under TP, tokens split
+    over the TP ranks) is not implemented."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -101,7 +102,6 @@ class Parallelism:
                 f"[parallelism] pipeline_parallel_layers_per_stage = {self.pipeline_parallel_layers_per_stage}"
                 " is not valid\nuse 1 or more, or leave it unset"
             )
-        problems += self.expert_tp_problems()
         if self.context_parallel_degree > 1:
             from titan_parallel.context_parallel import check_cp_support
 
@@ -109,7 +109,8 @@ class Parallelism:
         return problems
 
     def expert_tp_problems(self) -> list[str]:
-        """`expert_tensor_parallel_degree` must follow tensor_parallel_degree."""
+        """For a model with experts: `expert_tensor_parallel_degree` must follow
+        tensor_parallel_degree (a dense model ignores it, as torchtitan does)."""
         etp, tp = self.expert_tensor_parallel_degree, self.tensor_parallel_degree
         if etp in (-1, tp):
             return []

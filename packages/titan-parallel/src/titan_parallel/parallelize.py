@@ -23,7 +23,7 @@ from titan_parallel.config import (
     check_parallelize_config,
 )
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
-from titan_parallel.expert_parallel import apply_ep
+from titan_parallel.expert_parallel import apply_ep, moe_layers
 from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
 from titan_parallel.tied import keep_ties_on_conversion
 
@@ -61,6 +61,8 @@ def parallelize(
     problems = check_parallelize_config(
         parallelism, ac, compile, device_type=device_type, cpu_offload=cpu_offload, dims=dims
     )
+    if dims.tp_enabled and moe_layers(model):
+        problems += parallelism.expert_tp_problems()
     if problems:
         raise ConfigError(problems)
 
