@@ -24,6 +24,7 @@ whatever device is here, to check that the commands work (the numbers mean nothi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import subprocess
@@ -75,10 +76,8 @@ def run_part(command: list[str]) -> dict:
     records = []
     for line in done.stdout.splitlines():
         if line.startswith("{"):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):  # a line that only looks like JSON
                 records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
     out = {
         "command": command,
         "returncode": done.returncode,
