@@ -1,7 +1,7 @@
 """Qwen3's mixture-of-experts debug config through the trainer, under every layout that splits
 experts (the README's command, which trains it and reports the experts' load, runs in
 test_readme_commands.py): FSDP over 2 processes, expert parallel over 2 (EP2), the MoE layers
-under tensor parallel (TP2), and an EP2 checkpoint resumed on 1 process and on EP2 x FSDP2
+under tensor parallel (TP2, compiled), and an EP2 checkpoint resumed on 1 process and on EP2 x FSDP2
 (4 processes) take the steps one process takes. fp32; every sample is the same document, so
 that sharding the data changes no batch and the data position needs no carrying over.
 
@@ -54,9 +54,24 @@ def runs(tmp_path_factory, same_doc_dataset) -> dict:
         "one_process": start_cli(_args(tmp / "one", data, 4, *_validation(data))),
         "fsdp2": start_cli(_args(tmp / "fsdp2", data, 2), nproc=2),
         "ep2": start_cli(_args(tmp / "ep2", data, 2, *EP2, *_validation(data)), nproc=2),
+        # Compiled too (aot_eager: the same ops, so the same fp32 numbers): the MoE block
+        # under TP is one graph (fullgraph).
         "tp2": start_cli(
-            _args(tmp / "tp2", data, 4, "--parallelism.tensor_parallel_degree", "2"), nproc=2
-        ),
+            _args(
+                tmp / "tp2",
+                data,
+                4,
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--compile.enable",
+                "true",
+                "--compile.backend",
+                "aot_eager",
+                "--compile.components",
+                "model",
+            ),
+            nproc=2,
+        ),  # fmt: skip
     }
     out = {name: run.result(900) for name, run in first.items()}
     if out["ep2"].returncode == 0:

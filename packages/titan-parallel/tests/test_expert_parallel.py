@@ -107,6 +107,13 @@ def test_layout_trains_like_one_process(case: EPCase, results: dict, refs: dict)
     diff = sum((got["final"][k] - v).pow(2).sum() for k, v in ref["final"].items()).sqrt()
     size = sum(v.pow(2).sum() for v in ref["final"].values()).sqrt()
     assert diff / size < 1e-4, float(diff / size)
+    worst = {  # the measured differences, for the log (pytest -s)
+        "loss": max(_rel(a, b) for a, b in zip(got["losses"], ref["losses"])),
+        "norm": max(_rel(a, b) for a, b in zip(got["norms"], ref["norms"])),
+        "grad": max(_rel(got["grads"][k], g) for k, g in ref["grads"].items()),
+        "weights": float(diff / size),
+    }
+    print(f"\n{case.name}: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
 
 
 def test_impossible_expert_layouts_are_refused_with_the_fix() -> None:

@@ -84,9 +84,8 @@ def expert_parallel_problems(model: nn.Module, *, ep: int, tp: int) -> list[str]
             f" {type(model).__name__} has no MoE layer (a module in its blocks with moe_plan())\n"
             "set expert_parallel_degree = 1"
         ]
-    problems: list[str] = []
-    for name, layer, plan in layers[:1]:  # the blocks repeat: the first layer says it all
-        problems += _plan_problems(name, layer, plan)
+    for name, layer, plan in layers:  # the first layer with a problem speaks for the rest
+        problems = _plan_problems(name, layer, plan)
         if problems:
             return problems
         if plan.num_experts % ep:
@@ -96,24 +95,34 @@ def expert_parallel_problems(model: nn.Module, *, ep: int, tp: int) -> list[str]
             )
         if tp > 1:
             problems += _tp_problems(name, layer, plan, tp)
-    return problems
+        if problems:
+            return problems
+    return []
 
 
 def _plan_problems(name: str, layer: nn.Module, plan: MoEPlan) -> list[str]:
+    missing, unstacked = [], []
     experts = _get(layer, plan.experts)
-    missing = [] if experts is not None else [plan.experts]
-    missing += [f"{plan.experts}.{w}" for w in plan.expert_weights if experts is not None and not isinstance(getattr(experts, w, None), torch.Tensor)]  # fmt: skip
+    if experts is None:
+        missing.append(plan.experts)
+    else:
+        for w in plan.expert_weights:
+            weight = getattr(experts, w, None)
+            if not isinstance(weight, torch.Tensor):
+                missing.append(f"{plan.experts}.{w}")
+            elif weight.dim() != 3 or weight.shape[0] != plan.num_experts:
+                unstacked.append(f"{plan.experts}.{w}")
     missing += [n for n in (plan.router, *plan.shared_experts) if _get(layer, n) is None]
-    bad = [w for w, p in (experts.named_parameters() if experts is not None else []) if w in plan.expert_weights and (p.dim() != 3 or p.shape[0] != plan.num_experts)]  # fmt: skip
     problems = []
     if missing:
         problems.append(
             f"{name}.moe_plan() names what the layer does not have: {', '.join(missing)}\n"
             "fix the plan's names (relative to the layer)"
         )
-    if bad:
+    if unstacked:
         problems.append(
-            f"{name}.moe_plan(): {', '.join(bad)} must be stacked (num_experts = {plan.num_experts}, in, out)"
+            f"{name}.moe_plan(): {', '.join(unstacked)} must stack the experts along dimension 0,"
+            f" shaped (num_experts = {plan.num_experts}, in, out)"
         )
     return problems
 
@@ -196,20 +205,26 @@ class _ExpertHooks:
         self.tp_mesh = tp_mesh
         self._pending: list[Exchange] = []  # dispatched, not yet combined (one per call)
 
-    @torch.compiler.disable  # host-read split sizes: runs outside compiled graphs
     def before(self, _module: nn.Module, args: tuple) -> tuple:
         x, counts, *rest = args
         if self.tp_mesh is not None:
             x = _sum_grad_over(x, self.tp_mesh)
         if self.ep_group is not None:
-            x, counts, exchange = dispatch(x, counts, self.ep_group)
-            self._pending.append(exchange)
+            x, counts = self._dispatch(x, counts)
         return (x, counts, *rest)
 
-    @torch.compiler.disable
     def after(self, _module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-        if self.ep_group is None:
-            return out
+        return out if self.ep_group is None else self._combine(out)
+
+    # The exchange reads split sizes on the host: it runs between compiled graphs.
+    @torch.compiler.disable
+    def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x, counts, exchange = dispatch(x, counts, self.ep_group)
+        self._pending.append(exchange)
+        return x, counts
+
+    @torch.compiler.disable
+    def _combine(self, out: torch.Tensor) -> torch.Tensor:
         return combine(out, self._pending.pop())
 
 

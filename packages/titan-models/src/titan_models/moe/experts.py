@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class GroupedExperts(nn.Module):
@@ -49,5 +50,6 @@ class GroupedExperts(nn.Module):
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     """The weight as a plain tensor: under expert parallel each rank holds whole experts (its
-    local shard of dimension 0), and the tokens it receives are for those experts only."""
-    return w.to_local() if hasattr(w, "to_local") else w
+    local shard of dimension 0), and the tokens it receives are for those experts only; under
+    tensor parallel its slice of every expert's hidden features."""
+    return w.to_local() if isinstance(w, DTensor) else w
