@@ -140,3 +140,18 @@ def test_impossible_expert_layouts_are_refused_with_the_fix() -> None:
         "TinyTransformer has no MoE layer" in problem
         and "set expert_parallel_degree = 1" in problem
     )
+
+
+def test_a_tp_plan_that_also_splits_a_moe_layer_is_refused():
+    from titan_core.protocols import TPPlan
+    from titan_parallel.expert_parallel import tp_plan_overlaps
+
+    with torch.device("meta"):
+        model = TinyMoE()
+    assert tp_plan_overlaps(model, model.tp_plan()) == []
+    plan = model.tp_plan()
+    twice = TPPlan(plan.root, {**plan.block, "feed_forward": "block_input", "feed_forward.shared.w1": "colwise"})  # fmt: skip
+    (problem,) = tp_plan_overlaps(model, twice)
+    assert (
+        "names feed_forward, feed_forward.shared.w1, inside a mixture-of-experts layer" in problem
+    )

@@ -100,6 +100,20 @@ def expert_parallel_problems(model: nn.Module, *, ep: int, tp: int) -> list[str]
     return []
 
 
+def tp_plan_overlaps(model: nn.Module, tp_plan) -> list[str]:
+    """Entries of a model's `TPPlan` that name a MoE layer or anything inside one: such a layer
+    is split by its own `moe_plan()`, and splitting it twice would gather its input twice."""
+    inside = {name.split(".", 2)[2] for name, _, _ in moe_layers(model)}  # block-relative
+    overlaps = [k for k in tp_plan.block if any(k == m or k.startswith(m + ".") for m in inside)]
+    if not overlaps:
+        return []
+    return [
+        f"the tensor-parallel plan names {', '.join(overlaps)}, inside a mixture-of-experts layer,"
+        " which its moe_plan() splits\nremove those entries from tp_plan() (keep the norm"
+        " before the layer)"
+    ]
+
+
 def _plan_problems(name: str, layer: nn.Module, plan: MoEPlan) -> list[str]:
     missing, unstacked = [], []
     experts = _get(layer, plan.experts)

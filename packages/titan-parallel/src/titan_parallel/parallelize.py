@@ -23,7 +23,7 @@ from titan_parallel.config import (
     check_parallelize_config,
 )
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
-from titan_parallel.expert_parallel import apply_ep, moe_layers
+from titan_parallel.expert_parallel import apply_ep, moe_layers, tp_plan_overlaps
 from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
 from titan_parallel.tied import keep_ties_on_conversion
 
@@ -63,6 +63,7 @@ def parallelize(
     )
     if dims.tp_enabled and moe_layers(model):
         problems += parallelism.expert_tp_problems()
+        problems += tp_plan_overlaps(model, plan if plan is not None else model.tp_plan())
     if problems:
         raise ConfigError(problems)
 
