@@ -1,0 +1,235 @@
+"""DeepSeek-V3, written like titan-models' Llama 3.1 and Qwen3 (see Llama's module docstring
+for the structure, the pipeline hooks and the initialisation as data).
+
+Each block is RMSNorm -> multi-head latent attention -> residual, RMSNorm -> feed-forward ->
+residual; the feed-forward (`feed_forward`) is a dense SwiGLU in the first `n_dense_layers`
+blocks and `titan_models.moe.MoE` (routed plus shared experts) in the others.
+
+Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1), in training form:
+- queries: `wq` (dim -> heads x qk_head_dim), or with `q_lora_rank` the low-rank
+  `wq_a` (dim -> q_lora_rank) -> `q_norm` -> `wq_b` (-> heads x qk_head_dim);
+- keys and values: `wkv_a` (dim -> kv_lora_rank + qk_rope_head_dim) gives the latent and one
+  rotary key part shared by every head; `kv_norm` -> `wkv_b` (kv_lora_rank -> heads x
+  (qk_nope_head_dim + v_head_dim)) rebuilds each head's position-free key and its value;
+- each head's query and key are [position-free part, rotary part]; the logits are scaled by
+  `softmax_scale(args)` (YaRN's mscale included), causal; `wo` maps heads x v_head_dim back.
+Multi-token prediction (the paper's MTP module) is not implemented.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_core.init import ParamInit, init_from_plan_
+from titan_core.protocols import TPPlan
+from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.deepseek_v3.flops import deepseek_v3_flops_per_token
+from titan_models.deepseek_v3.rope import build_rope_cache, softmax_scale
+from titan_models.llama3.rope import apply_rope
+from titan_models.moe import MoE, SwiGLU
+
+BASE_STD = 0.02
+LATENT_NORM_EPS = 1e-6  # q_norm and kv_norm, as in DeepSeek's and Hugging Face's code
+
+
+def _query_names(args: DeepSeekV3Args) -> list[str]:
+    return ["wq_a", "wq_b"] if args.q_lora_rank else ["wq"]
+
+
+def block_init_plan(layer_id: int, args: DeepSeekV3Args) -> dict[str, ParamInit]:
+    """How block `layer_id`'s parameters start, by name relative to the block."""
+    depth = layer_id + 1 if args.depth_init else args.n_layers
+    out_std = BASE_STD / math.sqrt(2 * depth)  # wo and w2 write into the residual stream
+    norms = ["attention_norm", "ffn_norm", "attention.kv_norm"]
+    if args.q_lora_rank:
+        norms.append("attention.q_norm")
+    plan = {f"{n}.weight": ParamInit("constant", value=1.0) for n in norms}
+    for name in [*_query_names(args), "wkv_a", "wkv_b"]:
+        plan[f"attention.{name}.weight"] = ParamInit.truncated(BASE_STD)
+    plan["attention.wo.weight"] = ParamInit.truncated(out_std)
+    if not args.is_moe_layer(layer_id):
+        plan["feed_forward.w1.weight"] = ParamInit.truncated(BASE_STD)
+        plan["feed_forward.w3.weight"] = ParamInit.truncated(BASE_STD)
+        plan["feed_forward.w2.weight"] = ParamInit.truncated(out_std)
+        return plan
+    names = ["router.gate.weight", "experts.w1", "experts.w3"]
+    outs = ["experts.w2"]
+    if args.moe.num_shared_experts:
+        names += ["shared_experts.w1.weight", "shared_experts.w3.weight"]
+        outs += ["shared_experts.w2.weight"]
+    plan |= {f"feed_forward.{n}": ParamInit.truncated(BASE_STD) for n in names}
+    plan |= {f"feed_forward.{n}": ParamInit.truncated(out_std) for n in outs}
+    # A buffer, but state (saved, loaded with the weights): unbiased routing to start with.
+    return plan | {"feed_forward.expert_bias": ParamInit("constant", value=0.0)}
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.args = args
+        self.scale = softmax_scale(args)
+        qk_out = args.n_heads * args.qk_head_dim
+        if args.q_lora_rank:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(args.q_lora_rank, qk_out, bias=False)
+        else:
+            self.wq = nn.Linear(args.dim, qk_out, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(
+            args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False
+        )
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        batch, seq_len, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
+        # -1 heads: tensor parallel leaves each rank its own heads of wq(_b) and wkv_b.
+        q = q.view(batch, seq_len, -1, a.qk_head_dim)
+        q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(
+            batch, seq_len, -1, a.qk_nope_head_dim + a.v_head_dim
+        )
+        k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        q_rope = apply_rope(q_rope, rope_cache)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope_cache)  # one rotary key for all heads
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: DeepSeekV3Args):
+        super().__init__()
+        self.layer_id = layer_id
+        self.args = args
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = MultiHeadLatentAttention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = (
+            MoE(args.dim, args.moe)
+            if args.is_moe_layer(layer_id)
+            else SwiGLU(args.dim, args.hidden_dim)
+        )
+
+    def init_plan(self) -> dict[str, ParamInit]:
+        return block_init_plan(self.layer_id, self.args)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class DeepSeekV3Transformer(nn.Module):
+    """DeepSeek-V3 decoder; satisfies `titan_core.protocols.ParallelizableModel` like
+    titan-models' Llama `Transformer` (same attribute names, pipeline hooks and
+    initialisation). `forward(tokens)` gives logits; there is no KV cache (no generation)."""
+
+    pre_blocks = ("tok_embeddings",)
+    post_blocks = ("norm", "output")
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self._tie_weights()
+        self.register_buffer("rope_cache", build_rope_cache(args), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # re-tie after every conversion (see Llama's Transformer)
+        self._tie_weights()
+        return self
+
+    def _tie_weights(self) -> None:
+        if not self.args.tie_word_embeddings or self.tok_embeddings is None or self.output is None:
+            return
+        if self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_plan(self) -> dict[str, ParamInit]:
+        plan: dict[str, ParamInit] = {}
+        for i in range(self.args.n_layers):
+            plan.update({f"layers.{i}.{n}": p for n, p in block_init_plan(i, self.args).items()})
+        plan["norm.weight"] = ParamInit("constant", value=1.0)
+        if self.args.tie_word_embeddings:
+            shared = ParamInit.truncated(self.args.dim**-0.5, key="output.weight")
+            plan["tok_embeddings.weight"] = plan["output.weight"] = shared
+        else:
+            plan["tok_embeddings.weight"] = ParamInit("normal", std=1.0)
+            plan["output.weight"] = ParamInit.truncated(self.args.dim**-0.5)
+        return plan
+
+    def _moe_layers(self) -> list[MoE]:
+        return [b.feed_forward for b in self.layers.values() if isinstance(b.feed_forward, MoE)]
+
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        device = buffer_device if buffer_device is not None else self.rope_cache.device
+        self.rope_cache = build_rope_cache(self.args, device)
+        for moe in self._moe_layers():  # load counts since the last bias update: none yet
+            moe.tokens_per_expert = torch.zeros_like(moe.tokens_per_expert, device=device)
+            # State, not a table: its values (from init_plan or a checkpoint) are kept.
+            moe.expert_bias = moe.expert_bias.to(device)
+
+    def init_weights(
+        self, buffer_device: torch.device | None = None, *, seed: int | None = None
+    ) -> None:
+        self.init_buffers(buffer_device)
+        seed = torch.initial_seed() if seed is None else seed
+        missing = init_from_plan_(self, self.init_plan(), seed)
+        if missing:
+            raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope_cache)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def tp_plan(self) -> TPPlan:
+        """MLA: the per-head projections (wq or wq_b, wkv_b) split by heads, wo by its input;
+        the latent projections and their norms (small, shared by all heads) stay whole on
+        every rank. The dense feed-forward as Llama's when every block is dense; a MoE
+        layer's experts are sharded by expert parallel, not by this plan."""
+        attention = {"wq_b": "colwise"} if self.args.q_lora_rank else {"wq": "colwise"}
+        block = {
+            "attention_norm": "sequence_parallel",
+            "attention": "block_input",
+            **{f"attention.{n}": s for n, s in attention.items()},
+            "attention.wkv_b": "colwise",
+            "attention.wo": "rowwise",
+            "ffn_norm": "sequence_parallel",
+        }
+        if self.args.moe is None or self.args.n_dense_layers == self.args.n_layers:
+            block |= {
+                "feed_forward": "block_input",
+                "feed_forward.w1": "colwise",
+                "feed_forward.w3": "colwise",
+                "feed_forward.w2": "rowwise",
+            }
+        return TPPlan(
+            root={"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output"},
+            block=block,
+            divisible_by_tp={"n_heads": self.args.n_heads},
+        )
+
+    def cp_buffers(self) -> dict[str, int]:
+        return {"rope_cache": 0}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return deepseek_v3_flops_per_token(self.args, seq_len)
