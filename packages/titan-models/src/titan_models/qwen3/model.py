@@ -65,8 +65,7 @@ def block_init_plan(layer_id: int, args: Qwen3Args) -> dict[str, ParamInit]:
             outs += ["shared_experts.w2.weight"]
         plan |= {f"feed_forward.{n}": ParamInit.truncated(BASE_STD) for n in names}
         plan |= {f"feed_forward.{n}": ParamInit.truncated(out_std) for n in outs}
-        # A buffer, but state (saved, loaded with the weights): unbiased routing to start with.
-        plan["feed_forward.expert_bias"] = ParamInit("constant", value=0.0)
+        plan["feed_forward.expert_bias"] = ParamInit("constant", value=0.0)  # a buffer, saved
     return plan
 
 
