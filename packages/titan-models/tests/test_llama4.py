@@ -81,13 +81,15 @@ def test_init_is_a_function_of_seed_and_name_and_the_tp_plan_names_real_modules(
     assert set(model.init_plan()) == named - {"rope_cache", "attn_temperature"} - {
         n for n in named if n.endswith("tokens_per_expert")
     }
-    with torch.device("meta"):
-        dense = Llama4Transformer(dataclasses.replace(args, moe=None))
-    plan = dense.tp_plan()
-    for block in dense.layers.values():
-        for name in plan.block:
-            block.get_submodule(name)
-    assert "feed_forward.w1" in plan.block
+    for flavor in ("debugmodel", "17bx16e"):
+        with torch.device("meta"):
+            model = Llama4Transformer(dataclasses.replace(llama4_flavors[flavor], n_layers=6))
+        plan = model.tp_plan()
+        for key, block in model.layers.items():
+            names = plan.blocks.get(key, plan.block)
+            for name in names:
+                block.get_submodule(name)
+            assert ("feed_forward.w1" in names) == (not hasattr(block.feed_forward, "experts"))
 
 
 def _masked_reference(q, k, v, chunk: int | None):

@@ -45,6 +45,10 @@ class TPPlan:
 
     root: Mapping[str, TPStyle] = field(default_factory=dict)
     block: Mapping[str, TPStyle] = field(default_factory=dict)
+    blocks: Mapping[str, Mapping[str, TPStyle]] = field(default_factory=dict)
+    """Plans of particular blocks, by their key in `layers`, each used instead of `block` for
+    that block: a model whose blocks differ (DeepSeek-V3's dense first blocks before the
+    mixture-of-experts ones)."""
     divisible_by_tp: Mapping[str, int] = field(default_factory=dict)
     """Sizes that must divide by the TP degree, by name (e.g. {"n_heads": 32, "n_kv_heads": 8})."""
 

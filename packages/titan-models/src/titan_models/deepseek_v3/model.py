@@ -33,6 +33,12 @@ from titan_models.llama3.rope import apply_rope
 from titan_models.moe import MoE, SwiGLU
 
 BASE_STD = 0.02
+_DENSE_FFN_PLAN = {
+    "feed_forward": "block_input",
+    "feed_forward.w1": "colwise",
+    "feed_forward.w3": "colwise",
+    "feed_forward.w2": "rowwise",
+}
 LATENT_NORM_EPS = 1e-6  # q_norm and kv_norm, as in DeepSeek's and Hugging Face's code
 
 
@@ -204,27 +210,27 @@ class DeepSeekV3Transformer(nn.Module):
     def tp_plan(self) -> TPPlan:
         """MLA: the per-head projections (wq or wq_b, wkv_b) split by heads, wo by its input;
         the latent projections and their norms (small, shared by all heads) stay whole on
-        every rank. The dense feed-forward as Llama's when every block is dense; a MoE
-        layer's experts are sharded by expert parallel, not by this plan."""
-        attention = {"wq_b": "colwise"} if self.args.q_lora_rank else {"wq": "colwise"}
+        every rank. The dense feed-forward as Llama's, in the dense blocks (`blocks` when
+        the others have experts); a MoE layer is split by its own plan, not by this one."""
+        query = "attention.wq_b" if self.args.q_lora_rank else "attention.wq"
         block = {
             "attention_norm": "sequence_parallel",
             "attention": "block_input",
-            **{f"attention.{n}": s for n, s in attention.items()},
+            query: "colwise",
             "attention.wkv_b": "colwise",
             "attention.wo": "rowwise",
             "ffn_norm": "sequence_parallel",
         }
-        if self.args.moe is None or self.args.n_dense_layers == self.args.n_layers:
-            block |= {
-                "feed_forward": "block_input",
-                "feed_forward.w1": "colwise",
-                "feed_forward.w3": "colwise",
-                "feed_forward.w2": "rowwise",
-            }
+        dense = block | _DENSE_FFN_PLAN
+        moe_blocks = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
         return TPPlan(
             root={"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output"},
-            block=block,
+            block=block if moe_blocks else dense,
+            blocks={
+                str(i): dense
+                for i in range(self.args.n_layers)
+                if moe_blocks and i not in moe_blocks
+            },
             divisible_by_tp={"n_heads": self.args.n_heads},
         )
 

@@ -30,6 +30,12 @@ from titan_models.llama4.flops import llama4_flops_per_token
 from titan_models.moe import MoE, SwiGLU
 
 BASE_STD = 0.02
+_DENSE_FFN_PLAN = {
+    "feed_forward": "block_input",
+    "feed_forward.w1": "colwise",
+    "feed_forward.w3": "colwise",
+    "feed_forward.w2": "rowwise",
+}
 
 
 def build_temperature(args: Llama4Args, device: torch.device | None = None) -> torch.Tensor:
@@ -219,8 +225,9 @@ class Llama4Transformer(nn.Module):
         return self.output(h) if self.output is not None else h
 
     def tp_plan(self) -> TPPlan:
-        """Llama's plan for attention, and for the dense feed-forward when every block is
-        dense; a MoE layer's experts are sharded by expert parallel, not by this plan."""
+        """Llama's plan for attention, and for the dense feed-forward in the dense blocks
+        (`blocks` when the others have experts); a MoE layer is split by its own plan, not
+        by this one."""
         block = {
             "attention_norm": "sequence_parallel",
             "attention": "block_input",
@@ -230,16 +237,16 @@ class Llama4Transformer(nn.Module):
             "attention.wo": "rowwise",
             "ffn_norm": "sequence_parallel",
         }
-        if self.args.n_moe_layers == 0:
-            block |= {
-                "feed_forward": "block_input",
-                "feed_forward.w1": "colwise",
-                "feed_forward.w3": "colwise",
-                "feed_forward.w2": "rowwise",
-            }
+        dense = block | _DENSE_FFN_PLAN
+        moe_blocks = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
         return TPPlan(
             root={"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output"},
-            block=block,
+            block=block if moe_blocks else dense,
+            blocks={
+                str(i): dense
+                for i in range(self.args.n_layers)
+                if moe_blocks and i not in moe_blocks
+            },
             divisible_by_tp={"n_heads": self.args.n_heads, "n_kv_heads": self.args.n_kv_heads},
         )
 
