@@ -26,6 +26,7 @@ TPStyle = Literal[
     "sequence_parallel",  # a norm that runs on sequence-sharded activations when SP is on
     "block_input",  # a module (attention, feed-forward) whose first input is gathered from sequence shards
     "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
+    "head_shared",  # a module whose output each rank combines with its own heads only (MLA's rotary key): weights replicated, the output's gradient summed over the ranks
 ]
 """How one submodule is split across the tensor-parallel group (see `TPPlan`)."""
 

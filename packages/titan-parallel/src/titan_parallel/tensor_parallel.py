@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -51,6 +51,20 @@ class _GatherSequence(ParallelStyle):
         return module
 
 
+class _SumOutputGradient(ParallelStyle):
+    """A replicated module whose output every rank uses with its own heads only (DeepSeek's
+    rotary key, shared by all heads): the forward is unchanged, and the output's gradient,
+    of which each rank holds the part from its heads, is summed over the ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_gradient(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            replicated = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
+            return replicated.to_local(grad_placements=(Partial(),))
+
+        module.register_forward_hook(sum_gradient)
+        return module
+
+
 def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle | None:
     """The torch ParallelStyle for one TPStyle, or None when the module stays as it is."""
     seq = Shard(1) if sp else Replicate()
@@ -70,8 +84,11 @@ def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle
             output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
             use_local_output=not loss_parallel_on,
         )
+    if style == "head_shared":
+        return _SumOutputGradient()
     raise ValueError(
-        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input, embedding, output"
+        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input,"
+        " embedding, output, head_shared"
     )
 
 

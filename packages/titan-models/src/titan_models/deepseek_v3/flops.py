@@ -15,7 +15,7 @@ from titan_models.deepseek_v3.args import DeepSeekV3Args
 def _attention_params(a: DeepSeekV3Args) -> int:
     q_out = a.n_heads * a.qk_head_dim
     query = a.dim * a.q_lora_rank + a.q_lora_rank * q_out if a.q_lora_rank else a.dim * q_out
-    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)
+    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)  # wkv_a and wk_rope
     kv += a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
     return query + kv + a.n_heads * a.v_head_dim * a.dim
 

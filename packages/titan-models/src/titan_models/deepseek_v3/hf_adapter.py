@@ -1,7 +1,9 @@
 """Converts DeepSeek-V3 state dicts between our names and Hugging Face's `DeepseekV3ForCausalLM`
 checkpoints (the Hub's file layout: one set of weights per expert).
 
-Only renames, transposes and (for experts) stacking. No head permutation: both models rotate
+Only renames, transposes, stacking (experts) and one split: Hugging Face's
+`kv_a_proj_with_mqa` is our `wkv_a` (the latent) above `wk_rope` (the rotary key). No head
+permutation: both models rotate
 interleaved pairs of the rotary part (Hugging Face's `rope_interleave`, on by default), so the
 same weights give the same attention logits. Our stacked expert weights are stored (in, out)
 for grouped matmul: `experts.w1[e]` is `experts.{e}.gate_proj.weight` transposed, `w3`
@@ -31,7 +33,6 @@ _LAYER_NAMES = {
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
     "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
     "attention.wq_b.weight": "self_attn.q_b_proj.weight",
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
@@ -46,6 +47,8 @@ _LAYER_NAMES = {
     "feed_forward.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
     "feed_forward.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
+_KV_A = ("attention.wkv_a.weight", "attention.wk_rope.weight")
+_HF_KV_A = "self_attn.kv_a_proj_with_mqa.weight"
 _EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
             "feed_forward.experts.w2": "down_proj"}  # fmt: skip
 _ROOT_NAMES = {
@@ -80,6 +83,7 @@ class DeepSeekV3HFAdapter:
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         self._check_representable()
         out: dict[str, torch.Tensor] = {}
+        kv_a: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in state_dict.items():
             if name in _ROOT_NAMES:
                 if name == "output.weight" and self.args.tie_word_embeddings:
@@ -93,11 +97,20 @@ class DeepSeekV3HFAdapter:
             prefix = f"model.layers.{layer}."
             if suffix in _LAYER_NAMES:
                 out[prefix + _LAYER_NAMES[suffix]] = tensor
+            elif suffix in _KV_A:
+                kv_a.setdefault(layer, {})[suffix] = tensor
             elif suffix in _EXPERTS:
                 for e, w in enumerate(tensor.unbind(0)):
                     out[f"{prefix}mlp.experts.{e}.{_EXPERTS[suffix]}.weight"] = w.t().contiguous()
             else:
                 raise KeyError(f"DeepSeekV3HFAdapter.to_hf: no Hugging Face name for {name!r}")
+        for layer, parts in kv_a.items():
+            if parts.keys() != set(_KV_A):
+                raise KeyError(
+                    f"DeepSeekV3HFAdapter.to_hf: layer {layer} needs both {' and '.join(_KV_A)}"
+                )
+            joined = torch.cat([parts[n] for n in _KV_A], dim=0)
+            out[f"model.layers.{layer}.{_HF_KV_A}"] = joined
         if self.args.tie_word_embeddings and "output.weight" in state_dict:
             out.setdefault("model.embed_tokens.weight", state_dict["output.weight"])
         return out
@@ -118,6 +131,10 @@ class DeepSeekV3HFAdapter:
                 extra_layers[int(layer)].append(hf_suffix)
             elif hf_suffix in self._from_hf_layer:
                 out[f"layers.{layer}.{self._from_hf_layer[hf_suffix]}"] = tensor
+            elif hf_suffix == _HF_KV_A:
+                latent, rope = tensor.split([self.args.kv_lora_rank, self.args.qk_rope_head_dim])
+                out[f"layers.{layer}.{_KV_A[0]}"] = latent.contiguous()
+                out[f"layers.{layer}.{_KV_A[1]}"] = rope.contiguous()
             elif expert := _HF_EXPERT.fullmatch(hf_suffix):
                 index, proj = expert.groups()
                 experts[(layer, self._from_hf_expert[proj])][int(index)] = tensor

@@ -8,9 +8,11 @@ blocks and `titan_models.moe.MoE` (routed plus shared experts) in the others.
 Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1), in training form:
 - queries: `wq` (dim -> heads x qk_head_dim), or with `q_lora_rank` the low-rank
   `wq_a` (dim -> q_lora_rank) -> `q_norm` -> `wq_b` (-> heads x qk_head_dim);
-- keys and values: `wkv_a` (dim -> kv_lora_rank + qk_rope_head_dim) gives the latent and one
-  rotary key part shared by every head; `kv_norm` -> `wkv_b` (kv_lora_rank -> heads x
-  (qk_nope_head_dim + v_head_dim)) rebuilds each head's position-free key and its value;
+- keys and values: `wkv_a` (dim -> kv_lora_rank) gives the latent, `kv_norm` -> `wkv_b`
+  (kv_lora_rank -> heads x (qk_nope_head_dim + v_head_dim)) rebuilds each head's position-free
+  key and its value; `wk_rope` (dim -> qk_rope_head_dim) gives the rotary key part, one shared
+  by every head. DeepSeek's checkpoints hold wkv_a and wk_rope as one matrix; they are two
+  modules here because tensor parallel treats them differently (see `tp_plan`);
 - each head's query and key are [position-free part, rotary part]; the logits are scaled by
   `softmax_scale(args)` (YaRN's mscale included), causal; `wo` maps heads x v_head_dim back.
 Multi-token prediction (the paper's MTP module) is not implemented.
@@ -54,7 +56,7 @@ def block_init_plan(layer_id: int, args: DeepSeekV3Args) -> dict[str, ParamInit]
     if args.q_lora_rank:
         norms.append("attention.q_norm")
     plan = {f"{n}.weight": ParamInit("constant", value=1.0) for n in norms}
-    for name in [*_query_names(args), "wkv_a", "wkv_b"]:
+    for name in [*_query_names(args), "wkv_a", "wk_rope", "wkv_b"]:
         plan[f"attention.{name}.weight"] = ParamInit.truncated(BASE_STD)
     plan["attention.wo.weight"] = ParamInit.truncated(out_std)
     if not args.is_moe_layer(layer_id):
@@ -85,7 +87,8 @@ class MultiHeadLatentAttention(nn.Module):
             self.wq_b = nn.Linear(args.q_lora_rank, qk_out, bias=False)
         else:
             self.wq = nn.Linear(args.dim, qk_out, bias=False)
-        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank, bias=False)
+        self.wk_rope = nn.Linear(args.dim, args.qk_rope_head_dim, bias=False)
         self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(
             args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False
@@ -99,13 +102,12 @@ class MultiHeadLatentAttention(nn.Module):
         # -1 heads: tensor parallel leaves each rank its own heads of wq(_b) and wkv_b.
         q = q.view(batch, seq_len, -1, a.qk_head_dim)
         q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        latent, k_rope = self.wkv_a(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(
+        kv = self.wkv_b(self.kv_norm(self.wkv_a(x))).view(
             batch, seq_len, -1, a.qk_nope_head_dim + a.v_head_dim
         )
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         q_rope = apply_rope(q_rope, rope_cache)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope_cache)  # one rotary key for all heads
+        k_rope = apply_rope(self.wk_rope(x).unsqueeze(2), rope_cache)  # one for all heads
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
@@ -210,7 +212,8 @@ class DeepSeekV3Transformer(nn.Module):
     def tp_plan(self) -> TPPlan:
         """MLA: the per-head projections (wq or wq_b, wkv_b) split by heads, wo by its input;
         the latent projections and their norms (small, shared by all heads) stay whole on
-        every rank. The dense feed-forward as Llama's, in the dense blocks (`blocks` when
+        every rank, and so does the rotary key, whose gradient (each rank's from its own
+        heads) is summed over the ranks (`head_shared`). The dense feed-forward as Llama's, in the dense blocks (`blocks` when
         the others have experts); a MoE layer is split by its own plan, not by this one."""
         query = "attention.wq_b" if self.args.q_lora_rank else "attention.wq"
         block = {
@@ -218,6 +221,7 @@ class DeepSeekV3Transformer(nn.Module):
             "attention": "block_input",
             query: "colwise",
             "attention.wkv_b": "colwise",
+            "attention.wk_rope": "head_shared",
             "attention.wo": "rowwise",
             "ffn_norm": "sequence_parallel",
         }
