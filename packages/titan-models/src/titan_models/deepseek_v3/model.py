@@ -110,8 +110,15 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = apply_rope(self.wk_rope(x).unsqueeze(2), rope_cache)  # one for all heads
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        # Values padded with zeros to the query/key size: the fused attention kernels (flash
+        # on CUDA and CPU, and context parallel's ring attention over them) want one head size
+        # for q, k and v; the zeros add nothing and are cut off again.
+        pad = a.qk_head_dim - a.v_head_dim
+        if pad > 0:
+            v = F.pad(v, (0, pad))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        out = out[..., : a.v_head_dim] if pad > 0 else out
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
