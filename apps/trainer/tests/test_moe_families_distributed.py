@@ -255,7 +255,7 @@ def results(launched, refs) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError("the 4 ranks did not finish in 600 s")
     found = torch.load(out, weights_only=False)
-    print({f"{m} {l}": f"{r['seconds']:.1f}s" for (m, l), r in found.items()})
+    print({f"{m} {lay}": f"{r['seconds']:.1f}s" for (m, lay), r in found.items()})
     return found
 
 
@@ -263,7 +263,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("model_name,layout", CASES, ids=[f"{m}-{l}" for m, l in CASES])
+@pytest.mark.parametrize("model_name,layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
 def test_trains_like_one_process(model_name, layout, results, refs):
     got, ref = results[(model_name, layout)], refs[model_name]
     assert "error" not in got, got["error"]
