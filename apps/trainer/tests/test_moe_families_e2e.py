@@ -24,7 +24,8 @@ def _args(family: str, folder, dataset: str, local_batch: int, *extra: str) -> l
     return [
         *("--job.config_file", str(TRAINER / "configs" / f"{family}_debug.toml")),
         *("--job.dump_folder", str(folder), "--training.dataset", dataset),
-        *("--training.seq_len", "64", "--training.local_batch_size", str(local_batch)),
+        # seq 128: each window is exactly one copy of the document (see conftest.TEXT).
+        *("--training.seq_len", "128", "--training.local_batch_size", str(local_batch)),
         *("--training.steps", "4", "--training.mixed_precision_param", "float32"),
         *("--lr_scheduler.warmup_steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2"),
         # Every sample is the same document: the data cannot depend on the layout, and the
