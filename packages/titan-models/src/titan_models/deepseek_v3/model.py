@@ -15,7 +15,8 @@ Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1), in tra
   modules here because tensor parallel treats them differently (see `tp_plan`);
 - each head's query and key are [position-free part, rotary part]; the logits are scaled by
   `softmax_scale(args)` (YaRN's mscale included), causal; `wo` maps heads x v_head_dim back.
-Multi-token prediction (the paper's MTP module) is not implemented.
+Multi-token prediction (the paper's MTP module) is not implemented. Generation caches each
+head's full keys and values (`titan_models.generation.KVCache`), not the compressed latent.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from titan_core.protocols import TPPlan
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.flops import deepseek_v3_flops_per_token
 from titan_models.deepseek_v3.rope import build_rope_cache, softmax_scale
+from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.llama3.rope import apply_rope
 from titan_models.moe import MoE, SwiGLU
 
@@ -95,7 +97,15 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """`rope_cache` holds the rows of x's positions. With `kv_cache` (generation), x's
+        positions start at `start` and attend to the cached ones before them too."""
         a = self.args
         batch, seq_len, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if a.q_lora_rank else self.wq(x)
@@ -110,6 +120,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope = apply_rope(self.wk_rope(x).unsqueeze(2), rope_cache)  # one for all heads
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        if kv_cache is not None:
+            k, v = kv_cache.update(start, k, v)
         # Values padded with zeros to the query/key size: the fused attention kernels (flash
         # on CUDA and CPU, and context parallel's ring attention over them) want one head size
         # for q, k and v; the zeros add nothing and are cut off again.
@@ -117,7 +129,11 @@ class MultiHeadLatentAttention(nn.Module):
         if pad > 0:
             v = F.pad(v, (0, pad))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if kv_cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            mask = causal_mask(start, seq_len, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         out = out[..., : a.v_head_dim] if pad > 0 else out
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
@@ -139,15 +155,21 @@ class TransformerBlock(nn.Module):
     def init_plan(self) -> dict[str, ParamInit]:
         return block_init_plan(self.layer_id, self.args)
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class DeepSeekV3Transformer(nn.Module):
     """DeepSeek-V3 decoder; satisfies `titan_core.protocols.ParallelizableModel` like
     titan-models' Llama `Transformer` (same attribute names, pipeline hooks and
-    initialisation). `forward(tokens)` gives logits; there is no KV cache (no generation)."""
+    initialisation), including generation with `kv_cache=`."""
 
     pre_blocks = ("tok_embeddings",)
     post_blocks = ("norm", "output")
@@ -208,10 +230,20 @@ class DeepSeekV3Transformer(nn.Module):
         if missing:
             raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of `tokens`; with `kv_cache`, the tokens continue the
+        positions the cache holds (see `titan_models.generation`)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, self.rope_cache)
+        if kv_cache is None:
+            for block in self.layers.values():
+                h = block(h, self.rope_cache)
+        else:
+            start, seq_len = kv_cache.pos, tokens.shape[1]
+            kv_cache.check_room(seq_len)
+            rope = self.rope_cache[start : start + seq_len]
+            for name, block in self.layers.items():
+                h = block(h, rope, kv_cache.layer(name), start)
+            kv_cache.pos += seq_len
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -138,7 +138,7 @@ def _moe(num_experts: int, hidden: int) -> MoEArgs:
 llama4_flavors: dict[str, Llama4Args] = {
     # Small enough for CPU tests, with every part of the real ones: experts every second block
     # (the others dense), a global block without rotary embedding every fourth, chunked
-    # attention and temperature steps within a 256-token sequence, QK-norm, rope scaling.
+    # attention and temperature steps within a 128-token sequence, QK-norm, rope scaling.
     "debugmodel": Llama4Args(
         dim=256,
         n_layers=6,
@@ -151,8 +151,8 @@ llama4_flavors: dict[str, Llama4Args] = {
         use_rope_scaling=True,
         rope_original_max_seq_len=256,
         max_seq_len=2048,
-        attention_chunk_size=128,
-        floor_scale=64,
+        attention_chunk_size=64,
+        floor_scale=32,
     ),
     # Llama 4 Scout (17B active, 16 experts): 109B parameters.
     "17bx16e": Llama4Args(

@@ -24,6 +24,7 @@ from torch import nn
 
 from titan_core.init import ParamInit, init_from_plan_
 from titan_core.protocols import TPPlan
+from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.llama3.rope import apply_rope, build_rope_cache
 from titan_models.llama4.args import Llama4Args
 from titan_models.llama4.flops import llama4_flops_per_token
@@ -89,6 +90,14 @@ def chunked_causal_attention(
     )
 
 
+def chunked_mask(start: int, seq_len: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """Generation's chunked causal mask: which of positions 0..start+seq_len-1 each query at
+    start..start+seq_len-1 may attend to, `[seq_len, start + seq_len]`."""
+    queries = torch.arange(start, start + seq_len, device=device)[:, None]
+    keys = torch.arange(start + seq_len, device=device)[None, :]
+    return (keys <= queries) & (keys // chunk == queries // chunk)
+
+
 class Attention(nn.Module):
     def __init__(self, layer_id: int, args: Llama4Args):
         super().__init__()
@@ -102,8 +111,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, temperature: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        temperature: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
+        """`rope_cache` and `temperature` hold the rows of x's positions. With `kv_cache`
+        (generation), x's positions start at `start` and attend to the cached ones too."""
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -114,12 +130,21 @@ class Attention(nn.Module):
                 q, k = _l2_norm(q, self.args.norm_eps), _l2_norm(k, self.args.norm_eps)
         elif self.args.attn_temperature_tuning:
             q = (q * temperature[:seq_len].view(1, seq_len, 1, 1)).type_as(q)
+        if kv_cache is not None:
+            k, v = kv_cache.update(start, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        if self.use_rope:
-            out = chunked_causal_attention(q, k, v, self.args.attention_chunk_size)
+        chunk = self.args.attention_chunk_size
+        if kv_cache is not None:
+            if self.use_rope:
+                mask = chunked_mask(start, seq_len, chunk, x.device)
+            else:
+                mask = causal_mask(start, seq_len, x.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self.use_rope:
+            out = chunked_causal_attention(q, k, v, chunk)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
@@ -143,16 +168,22 @@ class TransformerBlock(nn.Module):
         return block_init_plan(self.layer_id, self.args)
 
     def forward(
-        self, x: torch.Tensor, rope_cache: torch.Tensor, temperature: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope_cache: torch.Tensor,
+        temperature: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, temperature)
+        attention = self.attention(self.attention_norm(x), rope_cache, temperature, kv_cache, start)
+        h = x + attention
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Llama4Transformer(nn.Module):
     """Llama 4 text decoder; satisfies `titan_core.protocols.ParallelizableModel` like
     titan-models' Llama `Transformer` (same attribute names, pipeline hooks and
-    initialisation). `forward(tokens)` gives logits; there is no KV cache (no generation)."""
+    initialisation), including generation with `kv_cache=`."""
 
     pre_blocks = ("tok_embeddings",)
     post_blocks = ("norm", "output")
@@ -216,10 +247,21 @@ class Llama4Transformer(nn.Module):
         if missing:
             raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of every position of `tokens`; with `kv_cache`, the tokens continue the
+        positions the cache holds (see `titan_models.generation`)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for block in self.layers.values():
-            h = block(h, self.rope_cache, self.attn_temperature)
+        if kv_cache is None:
+            for block in self.layers.values():
+                h = block(h, self.rope_cache, self.attn_temperature)
+        else:
+            start, seq_len = kv_cache.pos, tokens.shape[1]
+            kv_cache.check_room(seq_len)
+            rows = slice(start, start + seq_len)
+            for name, block in self.layers.items():
+                cache = kv_cache.layer(name)
+                h = block(h, self.rope_cache[rows], self.attn_temperature[rows], cache, start)
+            kv_cache.pos += seq_len
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
