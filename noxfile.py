@@ -275,6 +275,8 @@ def summary(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (JSON lines on stdout). Not in the default set: timings need a quiet machine."""
     for script in sorted((ROOT / "bench").glob("*.py")):
+        if script.name == "gpu.py":  # its own session, bench-gpu
+            continue
         session.run(
             "uv",
             "run",
@@ -284,6 +286,21 @@ def bench(session: nox.Session) -> None:
             *session.posargs,
             env={"PYTHONUNBUFFERED": "1", **os.environ},
         )
+
+
+@nox.session(name="bench-gpu", venv_backend="none")
+def bench_gpu(session: nox.Session) -> None:
+    """Every GPU benchmark (1B throughput, Float8, async TP, checkpoints) into one JSON file
+    (bench/gpu.py); on a machine without a CUDA GPU it says so and fails."""
+    session.run(
+        "uv",
+        "run",
+        "--frozen",
+        "python",
+        str(ROOT / "bench" / "gpu.py"),
+        *session.posargs,
+        env={"PYTHONUNBUFFERED": "1", **os.environ},
+    )
 
 
 @nox.session(name="dryrun-405b", venv_backend="none")
