@@ -31,8 +31,8 @@ CONFIGS = {
 AWAITING_EXPERT_PARALLEL = {
     "deepseek_v3_236b": 128,
     "deepseek_v3_671b": 2048,
-    "llama4_17bx16e": 64,
-    "llama4_17bx128e": 256,
+    "llama4_scout": 64,
+    "llama4_maverick": 256,
 }
 
 
