@@ -95,6 +95,17 @@ def test_wrapper_prefixes_are_ignored_and_missing_rules_reported():
     assert missing == ["0.bias", "1.weight"]
 
 
+def test_buffers_named_in_the_plan_are_filled_and_the_others_left_alone():
+    model = nn.Linear(3, 3)
+    model.register_buffer("bias_state", torch.full((4,), float("nan")))  # as to_empty leaves it
+    model.register_buffer("table", torch.arange(4.0), persistent=False)
+    plan = {"weight": ParamInit("normal"), "bias": ParamInit("normal"),
+            "bias_state": ParamInit("constant", value=0.0)}  # fmt: skip
+    assert init_from_plan_(model, plan, seed=0) == []
+    assert torch.equal(model.bias_state, torch.zeros(4))
+    assert torch.equal(model.table, torch.arange(4.0))
+
+
 def test_block_seeds_are_distinct_and_stable():
     seeds = {block_seed(0, "w", i) for i in range(100)}
     assert len(seeds) == 100
@@ -102,14 +113,3 @@ def test_block_seeds_are_distinct_and_stable():
         7, "layers.3.attention.wq.weight", 2
     )
 
-
-def test_buffers_the_plan_names_are_filled_too():
-    # State saved with the weights (a mixture-of-experts layer's expert bias) starts from the
-    # plan like a parameter; buffers the plan does not name are left alone.
-    model = nn.Linear(3, 3, bias=False)
-    model.register_buffer("expert_bias", torch.full((3,), float("nan")))
-    model.register_buffer("other", torch.full((3,), 7.0))
-    plan = {"weight": ParamInit("normal"), "expert_bias": ParamInit("constant", value=0.0)}
-    assert init_from_plan_(model, plan, seed=0) == []
-    assert torch.equal(model.expert_bias, torch.zeros(3))
-    assert torch.equal(model.other, torch.full((3,), 7.0))

@@ -211,6 +211,7 @@ def preflight_problems(
             data, "validation", config.validation.dataset, config.validation.dataset_path, notes
         )
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
+    problems += _context_parallel_problems(config, spec, dims, vocab_size)
     if not dry_run:
         problems += fault_tolerance_problems(config)
     return problems, notes, vocab_size
@@ -272,6 +273,20 @@ def _pipeline_problems(
         )
     except ConfigError as e:
         return e.problems
+    return []
+
+
+def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):
+    """A model may not take context parallel at this sequence length (Llama 4's chunked
+    attention needs the sequence to fit in one chunk): its `cp_buffers()` says so."""
+    if not dims.cp_enabled:
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    try:
+        model.cp_buffers()
+    except ValueError as e:
+        return [f"[parallelism] context_parallel_degree = {dims.cp}: {e}"]
     return []
 
 

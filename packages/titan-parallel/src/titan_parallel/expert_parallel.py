@@ -45,7 +45,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from titan_core.config import ConfigError
 from titan_core.init import canonical_name
 from titan_core.parallel_dims import ParallelDims
-from titan_core.protocols import MoEPlan
+from titan_core.protocols import MoEPlan, TPPlan
+from titan_parallel.tensor_parallel import _GatherSequence, block_plan
 from titan_parallel.token_dispatch import Exchange, combine, dispatch
 
 _SPLIT_DIM = {"colwise": 2, "rowwise": 1}  # of a stacked (experts, in, out) weight
@@ -100,11 +101,14 @@ def expert_parallel_problems(model: nn.Module, *, ep: int, tp: int) -> list[str]
     return []
 
 
-def tp_plan_overlaps(model: nn.Module, tp_plan) -> list[str]:
+def tp_plan_overlaps(model: nn.Module, tp_plan: TPPlan) -> list[str]:
     """Entries of a model's `TPPlan` that name a MoE layer or anything inside one: such a layer
     is split by its own `moe_plan()`, and splitting it twice would gather its input twice."""
-    inside = {name.split(".", 2)[2] for name, _, _ in moe_layers(model)}  # block-relative
-    overlaps = [k for k in tp_plan.block if any(k == m or k.startswith(m + ".") for m in inside)]
+    overlaps = []
+    for name, _, _ in moe_layers(model):
+        _, key, inside = name.split(".", 2)  # layers.<key>.<the layer, relative to its block>
+        styles = block_plan(tp_plan, key)
+        overlaps += [n for n in styles if (n == inside or n.startswith(inside + ".")) and n not in overlaps]  # fmt: skip
     if not overlaps:
         return []
     return [
@@ -243,8 +247,6 @@ class _ExpertHooks:
 
 
 def _apply_layer_tp(layer: nn.Module, plan: MoEPlan, tp_mesh: DeviceMesh, sp: bool) -> None:
-    from titan_parallel.tensor_parallel import _GatherSequence
-
     shared = {
         name: ColwiseParallel() if split == "colwise" else RowwiseParallel(output_layouts=Partial())
         for name, split in plan.shared_experts.items()

@@ -72,8 +72,12 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts
         order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
         token_of = order // a.top_k
-        routed = self.experts(tokens[token_of], counts)
-        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        weight_of = weights.flatten()[order].unsqueeze(-1)
+        if a.score_before_experts:
+            routed = self.experts(tokens[token_of] * weight_of.to(tokens.dtype), counts)
+        else:
+            routed = self.experts(tokens[token_of], counts)
+            routed = routed * weight_of.to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
@@ -97,13 +101,17 @@ class MoE(nn.Module):
         """How expert and tensor parallel may split this layer (titan-parallel reads it): the
         routed experts stacked along dimension 0 and called as experts(x, counts); w1/w3 split
         along their outputs and w2 along its inputs under TP; the routing weights scale the
-        experts' outputs."""
+        experts' outputs, or their inputs with `score_before_experts` (Llama 4)."""
         shared = (
             {"shared_experts.w1": "colwise", "shared_experts.w3": "colwise", "shared_experts.w2": "rowwise"}
             if self.shared_experts is not None
             else {}
         )  # fmt: skip
-        return MoEPlan(num_experts=self.args.num_experts, shared_experts=shared)
+        return MoEPlan(
+            num_experts=self.args.num_experts,
+            shared_experts=shared,
+            weights_scale_outputs=not self.args.score_before_experts,
+        )
 
     def init_plan(self, std: float, out_std: float) -> dict[str, ParamInit]:
         """How this layer's parameters start, by name relative to it: `std` for what reads the
