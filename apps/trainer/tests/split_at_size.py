@@ -1,8 +1,9 @@
-"""Run by test_shipped_configs_dry_run.py in a fresh process (a fake process group per process):
-a shipped config's checks at its world size, then its real-size model through the trainer's
-parallelize path on the meta device under a fake group of that size, as rank 0. Prints one JSON
-line: the problems found, the layout, rank 0's local shape of the first MoE layer's w1 and its
-number of parameter elements."""
+"""Run by test_shipped_configs_dry_run.py in a process of its own (a fake default process group
+cannot live beside a real one): for each shipped config named, its checks at its world size,
+then its real-size model through the trainer's parallelize path on the meta device under a
+fake group of that size, as the last rank (the last pipeline stage's, which holds experts). Prints one JSON line, per config: the problems found,
+the layout, the rank's local shape of its first MoE layer's w1 and its number of parameter
+elements."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from titan_trainer.shipped import find_config_file
 from titan_trainer.train import build_converters, build_model, cross_entropy_loss, layout_text
 
 
-def main(name: str) -> None:
+def split(name: str) -> dict:
     args = ["--job.config_file", name, "--job.dump_folder", "/tmp/titan-split-at-size"]
     config = load_config(JobConfig, args, find_config_file=find_config_file)
     world = config.dry_run.world_size
     problems, _notes, vocab = preflight_problems(config, world, dry_run=True)
-    with fake_process_group(world, 0):
+    with fake_process_group(world, world - 1):
         dims = parallel_dims_for(config, world)
         dims.build_mesh("cpu")
         runtime = build_parallel_runtime(
@@ -45,8 +46,9 @@ def main(name: str) -> None:
             "expert_w1": list(w1.to_local().shape),
             "local_parameters": sum(t.numel() for t in local),
         }
-    print(json.dumps(report))
+    return report
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    # Several configs, one after the other: each in a fake group of its own world size.
+    print(json.dumps({name: split(name) for name in sys.argv[1:]}))

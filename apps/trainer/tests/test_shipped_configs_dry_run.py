@@ -2,10 +2,11 @@
 
 The command is the one the trainer README shows. For the 405B config it simulates the first and
 the last of its 8 pipeline ranks (the ones whose stages hold the embedding and the loss); the
-named nox session `dryrun-405b` simulates all 8. The Qwen3-235B-A22B config's simulation (94
-blocks of 128 experts, about two minutes here) runs in the named session `dryrun-235b`; the
-default suite checks what needs no simulation: its config at 128 ranks and the real-size model
-split by the trainer's own parallelize path on a fake 128-rank group.
+named nox session `dryrun-405b` simulates all 8. The large mixture-of-experts configs (Qwen3
+235B-A22B, DeepSeek-V3 236B and 671B, Llama 4 Scout and Maverick) are simulated in the named
+session `dryrun-moe` (one to three minutes each here); the default suite checks what needs no
+simulation: each config at its world size, and its real-size model split by the trainer's own
+parallelize path under a fake group of that size.
 """
 
 from __future__ import annotations
@@ -28,41 +29,60 @@ CONFIGS = {
     "deepseek_v3_16b": [],
     "llama4_debug": [],
 }
-# Too large to fit without expert parallel, which Titan does not have yet: FSDP gathers all of
-# a block's experts at once (22.5 GB in bf16 for 671B, 32 GB for Maverick), and Scout's 16
-# experts cannot be split evenly over 64 FSDP ranks. Their layouts are checked here at their
-# world sizes (config, pipeline plan, tokenizer, data); `uv run nox -s dryrun-moe` dry-runs them
-# (each reports "does not fit" until expert parallel is wired; see the trainer README).
-AWAITING_EXPERT_PARALLEL = {
-    "deepseek_v3_236b": 128,
-    "deepseek_v3_671b": 2048,
-    "llama4_scout": 64,
-    "llama4_maverick": 256,
+# The large mixture-of-experts configs, each with expert parallel: their simulations take one to
+# three minutes each and run in `uv run nox -s dryrun-moe` (the trainer README has their peaks).
+# The default suite checks what needs no simulation: each config's checks at its world size, and
+# its real-size model split by the trainer's own parallelize path under a fake group of that
+# size, on the meta device. Config -> (world size, layout, the last rank's local w1 of its first
+# MoE layer, published parameters in billions or None under PP):
+SESSION_ONLY = {
+    # 128 experts / EP 8 = 16 per rank, split by FSDP over the 16 ranks EP leaves: 1 each.
+    "qwen3_235b_a22b": (128, "dp_shard 128 (ep 8)", [1, 4096, 1536], 235.1),
+    # 160 / EP 8 = 20 per rank, which 16 FSDP ranks cannot split whole: their rows (dim 5120/16).
+    "deepseek_v3_236b": (128, "dp_shard 128 (ep 8)", [20, 320, 1536], 236),
+    # 256 / EP 64 = 4 per rank, split by FSDP over the 2 ranks EP leaves in the stage's 128.
+    "deepseek_v3_671b": (2048, "dp_shard 128 x pp 16 (ep 64)", [2, 7168, 2048], None),
+    # 16 / EP 16 = 1 per rank, its rows split by FSDP over 4 (dim 5120/4).
+    "llama4_scout": (64, "dp_shard 64 (ep 16)", [1, 1280, 8192], 108),
+    # 128 / EP 8 = 16 per rank, their rows split by FSDP over 32 (dim 5120/32).
+    "llama4_maverick": (256, "dp_shard 256 (ep 8)", [16, 160, 8192], 401),
 }
-SESSION_ONLY = {"qwen3_235b_a22b": "dryrun-235b"}  # config -> the nox session that simulates it
 
 
 def test_every_shipped_config_is_covered():
     shipped = sorted(p.stem for p in (TRAINER / "configs").glob("*.toml"))
-    assert shipped == sorted([*CONFIGS, *AWAITING_EXPERT_PARALLEL, *SESSION_ONLY])
+    assert shipped == sorted([*CONFIGS, *SESSION_ONLY])
     noxfile = (TRAINER.parents[1] / "noxfile.py").read_text()
-    for name, session in SESSION_ONLY.items():
-        assert f'name="{session}"' in noxfile and f"configs/{name}.toml" in noxfile
+    for name in SESSION_ONLY:
+        assert f'"{name}",' in noxfile.split('name="dryrun-moe"')[1], name
 
 
-@pytest.mark.parametrize("name", list(AWAITING_EXPERT_PARALLEL))
-def test_config_awaiting_expert_parallel_is_valid_at_its_world_size(name):
-    from titan_core.config import load_config
-    from titan_trainer.checks import preflight_problems
-    from titan_trainer.config import JobConfig
+@pytest.fixture(scope="module")
+def splits() -> dict:
+    import subprocess
+    import sys
 
-    path = TRAINER / "configs" / f"{name}.toml"
-    config = load_config(JobConfig, ["--job.config_file", str(path)])
-    world = AWAITING_EXPERT_PARALLEL[name]
-    assert config.dry_run.world_size == world
-    problems, _, _ = preflight_problems(config, world, dry_run=True)
-    assert problems == []
-    assert "expert parallel" in path.read_text()  # the config says what it waits for
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("split_at_size.py")), *SESSION_ONLY],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(SESSION_ONLY))
+def test_large_moe_config_splits_at_full_size_over_its_ranks(name, splits):
+    world, layout, expert_w1, billions = SESSION_ONLY[name]
+    report = splits[name]
+    assert report["problems"] == [], report["problems"]
+    assert report["layout"] == layout
+    assert report["expert_w1"] == expert_w1, report
+    if billions is not None:
+        # FSDP splits every parameter over all the ranks (the largest evenly): within 3%.
+        share = billions * 1e9 / world
+        assert abs(report["local_parameters"] - share) < 0.03 * share, (report, share)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -86,27 +106,3 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
              "deepseek_v3_16b": 8, "llama4_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
     print(out)  # the table, for the log
-
-
-def test_qwen3_235b_splits_at_full_size_over_its_128_ranks():
-    """The part of the 235B dry run that needs no simulation: the checks of its config at 128
-    ranks, and the real-size model (235B parameters, on the meta device) through the trainer's
-    own parallelize path on a fake 128-rank group: FSDP over 128, each rank holding 16 experts'
-    worth of expert parallel (8 ranks) cut by FSDP over the 16 ranks EP leaves."""
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("split_at_size.py")), "qwen3_235b_a22b"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["problems"] == [], report["problems"]
-    assert report["layout"] == "dp_shard 128 (ep 8)"
-    # 128 experts over EP 8: 16 per rank, cut by FSDP over the other 16 ranks: 1 each.
-    assert report["expert_w1"] == [1, 4096, 1536], report
-    # Every parameter is split 128 ways (the largest ones evenly): 235.1B / 128 = 1.84B.
-    assert 1.80e9 < report["local_parameters"] < 1.88e9, report

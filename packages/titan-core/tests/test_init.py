@@ -112,4 +112,3 @@ def test_block_seeds_are_distinct_and_stable():
     assert block_seed(7, "layers.3.attention.wq.weight", 2) == block_seed(
         7, "layers.3.attention.wq.weight", 2
     )
-
