@@ -223,3 +223,17 @@ def test_a_folder_made_with_other_settings_is_not_overwritten(tokens, corpus, ca
         "holds tokens made with other settings: shard_tokens 2000 (now 5000)"
         in capsys.readouterr().err
     )
+
+
+def test_a_folder_of_tokens_is_named_as_the_dataset_itself(tokens):
+    from titan_data import load_source
+
+    assert isinstance(load_source(str(tokens)), TokenShards)
+    with pytest.raises(
+        ValueError, match="is a folder of tokens, so dataset_path .* would be ignored"
+    ):
+        load_source(str(tokens), "/data/elsewhere")
+    with pytest.raises(
+        ValueError, match="dataset_path .* is a folder of tokens; name it as the dataset"
+    ):
+        load_source("c4", str(tokens))

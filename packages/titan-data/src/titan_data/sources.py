@@ -63,7 +63,8 @@ ACCEPTED = (
     f"known names: {', '.join([*EMBEDDED, *HUB_DATASETS])}; a hub dataset as owner/name; "
     "a local file, folder or glob of "
     f"{'/'.join(sorted({e.split('.')[1] for e in EXTENSIONS}))} files (optionally compressed); "
-    f"or a format name ({', '.join(FORMAT_NAMES)}) with the files in dataset_path"
+    f"a format name ({', '.join(FORMAT_NAMES)}) with the files in dataset_path; a folder"
+    " written by `titan-data tokenize`; or a weighted mixture DATASET[=PATH][:WEIGHT],..."
 )
 
 
@@ -236,14 +237,18 @@ def load_source(
     """Resolve `dataset` (+ `dataset_path`) to a `Source`, or to `TokenShards` for a folder of
     tokens; the module docstring lists the forms. Raises ValueError or FileNotFoundError saying
     what was given and what is accepted."""
-    for candidate in (dataset, dataset_path):
-        if candidate and is_token_folder(candidate):
-            if candidate == dataset and dataset_path is not None:
-                raise ValueError(
-                    f"dataset {dataset} is a folder of tokens, so dataset_path ({dataset_path})"
-                    " would be ignored; set only one of them"
-                )
-            return TokenShards(candidate)
+    if dataset_path is not None and is_token_folder(dataset_path):
+        raise ValueError(
+            f"dataset_path {dataset_path} is a folder of tokens; name it as the dataset itself"
+            f" (dataset = {dataset_path!r}, no dataset_path)"
+        )
+    if is_token_folder(dataset):
+        if dataset_path is not None:
+            raise ValueError(
+                f"dataset {dataset} is a folder of tokens, so dataset_path ({dataset_path})"
+                " would be ignored; set only one of them"
+            )
+        return TokenShards(dataset)
     if dataset in EMBEDDED:
         if dataset_path is not None:
             raise ValueError(
