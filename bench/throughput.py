@@ -1,152 +1,284 @@
-"""Training throughput of the trainer's own step loop, with MFU against a peak measured in the
-same run, as JSON lines.
+"""Training throughput of the trainer's own step, with MFU and a breakdown of each step, as JSON
+lines.
 
-    uv run python bench/throughput.py [--steps 8] [--flavors debugmodel,100M] [--seq-len 512]
+    uv run python bench/throughput.py                                    # debug model and 104M, 8 x 2048
+    uv run python bench/throughput.py --variants "eager;--compile.enable"  # side by side: ratios
+    uv run python bench/throughput.py --flavors 1B --synthetic-vocab 128256 --fsdp-one-device \
+        -- --compile.enable --training.mixed_precision_param bfloat16   # a GPU
 
-For each flavor it builds the model exactly as titan-train does (plugins, meta device,
-parallelize, init), runs warm-up steps, then times steps split into data loading,
-forward+backward, optimizer (clip + step) and the rest. The matmul peak for the compute dtype
-is measured in the same process just before, so MFU is a ratio of two numbers taken side by
-side on the same (possibly noisy) machine.
+Each variant (a list of trainer flags, `;` between variants) builds the model the way
+`titan-train` does: the trainer's config, model build (meta device, converters, TP -> AC ->
+compile -> FSDP), initialisation, loader, optimizer, LR schedule and non-finite guard. Then
+the steps of every variant are interleaved round-robin, so a noisy machine slows them alike,
+and each step is timed in parts:
+
+- `data`: the next batch from the loader (and its copy to the device);
+- `forward`: the model and the loss; `backward`: the loss's backward;
+- `optimizer`: gradient clipping, the non-finite check, the optimizer and LR-schedule steps;
+- `logging`: at the trainer's logging steps (`metrics.log_freq`), reading the loss and
+  gradient norm back and writing the metric line, as the trainer does.
+
+On a GPU each part ends with a synchronisation, so that its time is its own; `host_syncs` counts
+the device-to-host waits the step itself makes (the guard reads the loss and norm back only at
+logging steps with the fused optimizer; every step with the others). MFU is taken against the
+peak the trainer uses (datasheet for known GPUs; on a CPU the best matmul measured on this
+machine, see titan_core.peak_flops). `drift` compares the median step time of the last quarter
+of the timed steps with the first quarter's (1.0: flat).
+
+Flags after `--` apply to every variant. `--synthetic-vocab N` trains on random tokens of a
+vocabulary of N (a GPU run of the 1B flavor at Llama 3's 128256 without the tokenizer file);
+`--fsdp-one-device` wraps the model in FSDP on a one-device mesh (bf16 parameters instead of
+autocast, as a multi-GPU job computes).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import logging
+import shlex
+import statistics
+import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from titan_core import (
-    init_distributed,
-    load_config,
-    measure_matmul_flops,
-    plugins,
-    resolve,
-    resolve_device_type,
-)
+from titan_core import init_distributed, load_config, peak_flops, resolve_device_type
 from titan_core.distributed import destroy_distributed
-from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
-from titan_trainer.optimizer import build_optimizer
-from titan_trainer.parallel import build_parallel_runtime
-from titan_trainer.precision import compute_dtype
-from titan_trainer.train import build_model, cross_entropy_loss
+from titan_trainer.guards import StepGuard
+from titan_trainer.lr_schedule import build_lr_scheduler
+from titan_trainer.metrics import format_line
+from titan_trainer.optimizer import build_optimizer, current_lr
+from titan_trainer.train import (
+    build_converters,
+    build_loader,
+    build_model,
+    build_parallel_runtime,
+    cross_entropy_loss,
+    set_up_layout,
+)
+
+PARTS = ("data", "forward", "backward", "optimizer", "logging")
+log = logging.getLogger("bench.throughput")
 
 
-def bench_flavor(flavor: str, args, device, peak: float, dtype: torch.dtype) -> dict:
-    cfg = load_config(
-        JobConfig,
-        [
-            "--model.flavor",
-            flavor,
-            "--training.seq_len",
-            str(args.seq_len),
-            "--training.local_batch_size",
-            str(args.batch_size),
-            "--training.mixed_precision_param",
-            "auto" if dtype == torch.bfloat16 else "float32",
-            "--activation_checkpoint.mode",
-            "none",
-            *(["--compile.enable"] if args.compile else []),
-        ],
-    )
-    dims = parallel_dims_for(cfg, 1)
-    dims.build_mesh(device.type)
-    data = resolve(plugins.DATA, cfg.training.data_plugin)
-    tokenizer = data.build_tokenizer(cfg.model.tokenizer_path)
-    loader = data.build_dataloader(
-        dataset=cfg.training.dataset,
-        dataset_path=None,
-        tokenizer=tokenizer,
-        seq_len=cfg.training.seq_len,
-        batch_size=cfg.training.local_batch_size,
-    )
-    runtime = build_parallel_runtime(cfg, dims, device, dtype, 0, cross_entropy_loss)
-    parts = build_model(cfg, runtime, tokenizer.vocab_size, [])
+@dataclass
+class Variant:
+    name: str
+    flags: list[str]
+    config: JobConfig = None
+    step: callable = None
+    flops_per_token: float = 0.0
+    peak: float = 0.0
+    dtype: torch.dtype = torch.float32
+    params: int = 0
+    times: list[dict[str, float]] = field(default_factory=list)
+    host_syncs: int = 0
+
+
+def build_variant(variant: Variant, args, info, dump: str) -> None:
+    """The trainer's pieces for this variant, and a function that runs one timed step."""
+    flags = [
+        "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
+        "--training.local_batch_size", str(args.batch_size), "--training.steps",
+        str(args.warmup + args.steps), "--activation_checkpoint.mode", "none",
+        "--training.mixed_precision_param", args.dtype, "--job.dump_folder", dump,
+        *args.common, *variant.flags,
+    ]  # fmt: skip
+    config = variant.config = load_config(JobConfig, flags)
+    dims, dtype, seed = set_up_layout(config, info)
+    variant.dtype = dtype
+    runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
+    data = None
+    if args.synthetic_vocab:
+        vocab = args.synthetic_vocab
+    else:
+        from titan_core import plugins, resolve
+
+        data = resolve(plugins.DATA, config.training.data_plugin)
+        tokenizer = data.build_tokenizer(config.model.tokenizer_path)
+        vocab = tokenizer.vocab_size
+    parts = build_model(config, runtime, vocab, build_converters(config, dims))
+    if args.fsdp_one_device:
+        apply_fsdp_one_device(parts, info.device, dtype, runtime)
     runtime.materialize(parts)
     runtime.init_weights(parts)
-    optimizer = build_optimizer(parts, cfg.optimizer)
-    batches = iter(loader)
-    n_params = sum(p.numel() for part in parts for p in part.parameters())
+    variant.params = sum(p.numel() for part in parts for p in part.parameters())
+    variant.flops_per_token = runtime.flops_per_token
+    variant.peak = peak_flops(info.device, dtype, override_tflops=config.metrics.peak_tflops).flops
+    optimizer = build_optimizer(
+        parts, config.optimizer, total_steps=config.training.steps, dims=dims
+    )
+    scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    guard = StepGuard(optimizer, config.training.max_nonfinite_in_a_row)
+    if data is not None:
+        batches = iter(build_loader(config, data, tokenizer, dims))
+    else:
+        batches = synthetic_batches(args.batch_size, args.seq_len, vocab)
+    (model,) = parts
+    device = info.device
 
-    def sync():
+    def sync() -> None:
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
 
-    times = {"data": 0.0, "fwd_bwd": 0.0, "optim": 0.0, "total": 0.0}
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        inputs, labels = (t.to(device) for t in next(batches))
-        sync()
-        t1 = time.perf_counter()
+    def step(number: int) -> dict[str, float]:
+        t = {"start": time.perf_counter()}
         optimizer.zero_grad(set_to_none=True)
-        runtime.forward_backward(parts, inputs, labels, scale=1.0)
+        inputs, labels = next(batches)
+        inputs = inputs.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         sync()
-        t2 = time.perf_counter()
-        runtime.clip_grad_norm(parts, cfg.training.max_norm)
-        optimizer.step()
+        t["data"] = time.perf_counter()
+        with runtime._contexts(parts, inputs, labels):
+            loss = runtime.loss_fn(model(inputs), labels)
+            sync()
+            t["forward"] = time.perf_counter()
+            loss.backward()
         sync()
-        t3 = time.perf_counter()
-        if step >= args.warmup:
-            times["data"] += t1 - t0
-            times["fwd_bwd"] += t2 - t1
-            times["optim"] += t3 - t2
-            times["total"] += t3 - t0
-    tokens = args.steps * args.batch_size * args.seq_len
-    tps = tokens / times["total"]
-    flops = runtime.flops_per_token * tps
-    return {
+        t["backward"] = time.perf_counter()
+        grad_norm = runtime.clip_grad_norm(parts, config.training.max_norm)
+        loss = runtime.reduce_loss(loss.detach())
+        if guard.before_step(number, loss, grad_norm, local_loss=loss):
+            optimizer.step()
+        scheduler.step()
+        sync()
+        t["optimizer"] = time.perf_counter()
+        if number % config.metrics.log_freq == 0:
+            rows = guard.read()  # the trainer's one read-back per logged step
+            line = format_line(number, _metrics(rows[-1], optimizer))
+            log.debug(line)
+        t["logging"] = time.perf_counter()
+        stamps = [t["start"], *(t[p] for p in PARTS)]
+        return {p: b - a for p, a, b in zip(PARTS, stamps, stamps[1:])}
+
+    variant.step = step
+    variant.host_syncs = 0 if guard.on_device else 1  # per step, besides the logging read
+
+
+def _metrics(row, optimizer) -> dict[str, float]:
+    _, loss, grad_norm = row
+    zero = dict.fromkeys(("tokens_per_s", "tflops", "mfu_pct", "mem_peak_gib", "step_time_s"), 0.0)
+    return {"loss": loss, "grad_norm": grad_norm, "lr": current_lr(optimizer), **zero}
+
+
+def apply_fsdp_one_device(parts, device: torch.device, dtype: torch.dtype, runtime) -> None:
+    """FSDP over a mesh of one device: the parameters are gathered in `dtype` for compute and
+    the gradients reduced in float32, with no autocast (what a multi-GPU job computes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_parallel import apply_fsdp
+
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+    for part in parts:
+        apply_fsdp(part, mesh, param_dtype=dtype, reduce_dtype=torch.float32)
+    runtime.autocast = None
+
+
+def synthetic_batches(batch: int, seq_len: int, vocab: int):
+    generator = torch.Generator().manual_seed(0)
+    while True:
+        tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def summarize(variant: Variant, args, device: torch.device, baseline: float | None) -> dict:
+    rows = variant.times
+    totals = [sum(r.values()) for r in rows]
+    step_s = statistics.median(totals)
+    tokens = args.batch_size * args.seq_len
+    tps = tokens / step_s
+    flops = tps * variant.flops_per_token
+    quarter = max(1, len(totals) // 4)
+    record = {
         "bench": "throughput",
-        "flavor": flavor,
-        "params": n_params,
+        "flavor": args.flavor,
+        "variant": variant.name,
+        "params": variant.params,
         "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "compile": args.compile,
+        "dtype": str(variant.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
+        "steps_timed": len(rows),
+        "step_s": round(step_s, 4),
         "tokens_per_s": round(tps, 1),
         "tflops": round(flops / 1e12, 4),
-        "peak_tflops_measured": round(peak / 1e12, 4),
-        "mfu_pct": round(100 * flops / peak, 2),
-        "step_s": round(times["total"] / args.steps, 4),
-        "fwd_bwd_share": round(times["fwd_bwd"] / times["total"], 4),
-        "optim_share": round(times["optim"] / times["total"], 4),
-        "outside_share": round(1 - (times["fwd_bwd"] + times["optim"]) / times["total"], 4),
+        "peak_tflops": round(variant.peak / 1e12, 4),
+        "mfu_pct": round(100 * flops / variant.peak, 2),
+        "breakdown_s": {p: round(statistics.median(r[p] for r in rows), 4) for p in PARTS},
+        "host_syncs_per_step": variant.host_syncs + 1 / variant.config.metrics.log_freq,
+        "drift": round(
+            statistics.median(totals[-quarter:]) / statistics.median(totals[:quarter]), 3
+        ),
     }
+    if baseline is not None:
+        record["step_time_over_first_variant"] = round(step_s / baseline, 3)
+    return record
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--flavors", default="debugmodel,100M")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--compile", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="training.mixed_precision_param (auto: bfloat16 where the device computes it)",
+    )
+    parser.add_argument(
+        "--variants",
+        default="default",
+        help="trainer flags per variant, ';' between variants; a variant with no flag is the"
+        " trainer's default path (its name may be a word: 'eager;--compile.enable')",
+    )
+    parser.add_argument("--synthetic-vocab", type=int, default=0)
+    parser.add_argument("--fsdp-one-device", action="store_true")
+    parser.add_argument("common", nargs="*", help="trainer flags for every variant (after --)")
+    return parser.parse_args(argv)
+
+
+def variants_from(text: str) -> list[Variant]:
+    out = []
+    for part in text.split(";"):
+        words = shlex.split(part)
+        named = len(words) == 1 and not words[0].startswith("--")  # a word: no flags
+        out.append(Variant(part.strip() or "default", [] if named else words))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     info = init_distributed(resolve_device_type("auto"))
     try:
-        dtype = compute_dtype("auto", info.device)
-        peak = measure_matmul_flops(
-            info.device, dtype, size=2048 if info.device.type == "cpu" else 8192, min_seconds=1.0
-        )
-        print(
-            json.dumps(
-                {
-                    "bench": "matmul_peak",
-                    "device": str(info.device),
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "tflops": round(peak / 1e12, 4),
-                }
-            ),
-            flush=True,
-        )
         for flavor in args.flavors.split(","):
-            print(json.dumps(bench_flavor(flavor, args, info.device, peak, dtype)), flush=True)
+            args.flavor = flavor
+            variants = variants_from(args.variants)
+            with tempfile.TemporaryDirectory() as dump:
+                for variant in variants:
+                    build_variant(variant, args, info, dump)
+                gc.disable()  # as the trainer does during its steps
+                for number in range(1, args.warmup + args.steps + 1):
+                    for variant in variants:
+                        times = variant.step(number)
+                        if number > args.warmup:
+                            variant.times.append(times)
+                gc.enable()
+            baseline = None
+            for variant in variants:
+                record = summarize(variant, args, info.device, baseline)
+                baseline = baseline or record["step_s"]
+                if info.rank == 0:
+                    print(json.dumps(record), flush=True)
     finally:
         destroy_distributed()
 

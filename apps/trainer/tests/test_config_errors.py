@@ -17,8 +17,8 @@ def problems(args, world_size=1) -> str:
 
 
 def test_unknown_model_name_lists_installed_models():
-    assert problems(["--model.name", "llama4"]) == (
-        "titan: config error: [model] name = 'llama4': no titan.models plugin named 'llama4'; installed: llama3, qwen3\n"
+    assert problems(["--model.name", "llama-3"]) == (
+        "titan: config error: [model] name = 'llama-3': no titan.models plugin named 'llama-3'; installed: deepseek_v3, llama3, llama4, qwen3\n"
         "       did you mean llama3?\n"
         "       install a package that registers it under the entry-point group 'titan.models', or give an import path as module:attr"
     )
@@ -134,7 +134,8 @@ def test_torchtitan_style_configs_load(tmp_path):
     configs = Path(__file__).resolve().parents[1] / "configs"
     for path in sorted(configs.glob("*.toml")):
         cfg = load_config(JobConfig, ["--job.config_file", str(path)])
-        assert cfg.model.name == ("qwen3" if path.stem.startswith("qwen3") else "llama3")
+        family = next(f for f in ("qwen3", "deepseek_v3", "llama4", "") if path.stem.startswith(f))
+        assert cfg.model.name == (family or "llama3")
 
 
 def test_console_ranks_are_checked_against_the_job_size(monkeypatch):

@@ -25,7 +25,12 @@ MOE_JOB = (
     "uv run titan-train --job.config_file apps/trainer/configs/qwen3_moe_debug.toml "
     "--training.steps 20"
 )
-RUN_HERE = {MAIN_JOB, SHORT_JOB, FOUR_PROCESSES, MOE_JOB}
+FAMILY_JOBS = {
+    family: f"uv run titan-train --job.config_file apps/trainer/configs/{family}_debug.toml "
+    "--training.steps 10"
+    for family in ("deepseek_v3", "llama4")
+}
+RUN_HERE = {MAIN_JOB, SHORT_JOB, FOUR_PROCESSES, MOE_JOB, *FAMILY_JOBS.values()}
 RUN_ELSEWHERE = {
     # CI itself (.ci/run runs exactly this).
     "uv run nox": ".ci/run",
@@ -199,3 +204,19 @@ def test_the_moe_command_trains_and_reports_the_experts_load(tmp_path):
     # One per metric line; 8 experts: between even (1) and all on one (8).
     assert len(loads) == len(losses) and all(1.0 <= x <= 8.0 for x in loads), loads
     assert "Qwen3-MoE debug model" in out
+
+
+def test_the_deepseek_v3_and_llama4_commands_train_their_debug_flavors(tmp_path):
+    for family, command in FAMILY_JOBS.items():
+        folder = tmp_path / family
+        folder.mkdir()
+        done = _run_as_shown(command, folder)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        losses = _losses(out)
+        # On the embedded corpus from the first step: the loss falls well below its start.
+        assert max(losses) == 10 and losses[10] < 0.8 * losses[min(losses)], (family, losses)
+        loads = [float(x) for x in re.findall(r"experts max/mean ([\d.]+)", out)]
+        top_k = {"deepseek_v3": 2, "llama4": 1}[family]
+        # One per metric line; 8 experts: between even (1) and all on one (8 / top_k).
+        assert len(loads) == len(losses) and all(1.0 <= x <= 8 / top_k for x in loads), loads

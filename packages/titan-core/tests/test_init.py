@@ -95,6 +95,17 @@ def test_wrapper_prefixes_are_ignored_and_missing_rules_reported():
     assert missing == ["0.bias", "1.weight"]
 
 
+def test_buffers_named_in_the_plan_are_filled_and_the_others_left_alone():
+    model = nn.Linear(3, 3)
+    model.register_buffer("bias_state", torch.full((4,), float("nan")))  # as to_empty leaves it
+    model.register_buffer("table", torch.arange(4.0), persistent=False)
+    plan = {"weight": ParamInit("normal"), "bias": ParamInit("normal"),
+            "bias_state": ParamInit("constant", value=0.0)}  # fmt: skip
+    assert init_from_plan_(model, plan, seed=0) == []
+    assert torch.equal(model.bias_state, torch.zeros(4))
+    assert torch.equal(model.table, torch.arange(4.0))
+
+
 def test_block_seeds_are_distinct_and_stable():
     seeds = {block_seed(0, "w", i) for i in range(100)}
     assert len(seeds) == 100

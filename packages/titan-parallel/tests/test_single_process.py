@@ -125,6 +125,21 @@ def test_tp_plan_checks_divisibility_and_module_names() -> None:
     assert "lm_head" in problem and "layers.0.attn.wq" in problem
 
 
+def test_tp_plan_blocks_give_particular_blocks_their_own_styles() -> None:
+    from titan_parallel.tensor_parallel import block_plan
+
+    model = TinyTransformer()
+    # Block 1 becomes another kind of block (say a mixture of experts): no w1/w2/w3 of its own.
+    model.layers["1"].feed_forward = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    plan = model.tp_plan()
+    (problem,) = check_tp_plan(model, plan, 2)
+    assert "layers.1.feed_forward.w1" in problem and "layers.0." not in problem
+    other = {n: s for n, s in plan.block.items() if not n.startswith("feed_forward")}
+    plan = type(plan)(root=plan.root, block=plan.block, blocks={"1": other})
+    assert check_tp_plan(model, plan, 2) == []
+    assert block_plan(plan, "1") == other and block_plan(plan, "0") == plan.block
+
+
 def test_tp_plan_skips_modules_removed_by_pipeline_parallel() -> None:
     model = TinyTransformer()
     model.output = None

@@ -221,6 +221,7 @@ def preflight_problems(
         )
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
     problems += _attention_problems(config, spec, vocab_size)
+    problems += _context_parallel_problems(config, spec, dims, vocab_size)
     if not dry_run:
         problems += fault_tolerance_problems(config)
     return problems, notes, vocab_size
@@ -299,6 +300,20 @@ def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
         " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
         " titan_models.attention)"
     ]
+
+
+def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):
+    """A model may not take context parallel at this sequence length (Llama 4's chunked
+    attention needs the sequence to fit in one chunk): its `cp_buffers()` says so."""
+    if not dims.cp_enabled:
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    try:
+        model.cp_buffers()
+    except ValueError as e:
+        return [f"[parallelism] context_parallel_degree = {dims.cp}: {e}"]
+    return []
 
 
 def optimizer_state_copies(optimizer) -> float:

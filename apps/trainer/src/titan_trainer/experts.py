@@ -15,6 +15,8 @@ from titan_core import ParallelDims
 
 class ExpertLoad:
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, accum: int):
+        """`accum`: forward passes per optimizer step over which the auxiliary loss's
+        gradient adds up (accumulated microbatches times pipeline microbatches)."""
         self.layers = [
             m for part in parts for m in part.modules() if hasattr(m, "update_expert_bias")
         ]

@@ -337,6 +337,10 @@ def build_checkpointer(
     )
 
 
+def _pipeline_microbatches(runtime) -> int:
+    return runtime.pipeline.n_microbatches if runtime.pipeline is not None else 1
+
+
 def restore_or_initialise(run: Run) -> None:
     """The weights come from the newest complete checkpoint (or `initial_load_path`) when there
     is one; otherwise from the one initialisation, a function of the seed and each parameter's
@@ -454,7 +458,9 @@ def run_steps(run: Run) -> TrainResult:
         MemoryMonitor(run.info.device),
         peak.flops,
         run.runtime.flops_per_token,
-        ExpertLoad(run.parts, run.dims, accum),
+        # Each forward adds its auxiliary balance loss: weigh it by the forwards per step
+        # (accumulated microbatches, and the pipeline's microbatches within each).
+        ExpertLoad(run.parts, run.dims, accum * _pipeline_microbatches(run.runtime)),
     )
     validator = build_validator(run) if config.validation.enable else None
     guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)

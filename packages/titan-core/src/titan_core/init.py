@@ -195,8 +195,9 @@ def _shard_plan(shape: tuple[int, ...], mesh, placements: tuple, coordinate: tup
 
 def init_from_plan_(module: nn.Module, plan: Mapping[str, ParamInit], seed: int) -> list[str]:
     """Initialise every parameter of `module` named in `plan` (names as in the unwrapped
-    model); a tied parameter is filled once. Returns the names of parameters the plan does
-    not cover (the caller decides whether that is an error)."""
+    model); a tied parameter is filled once. Buffers the plan names are filled too (state
+    saved with the weights, such as a mixture-of-experts layer's expert bias). Returns the
+    names of parameters the plan does not cover (the caller decides whether that is an error)."""
     missing = []
     for name, param in module.named_parameters():
         name = canonical_name(name)
@@ -205,4 +206,8 @@ def init_from_plan_(module: nn.Module, plan: Mapping[str, ParamInit], seed: int)
             missing.append(name)
             continue
         init_parameter_(param, init, seed=seed, key=init.key or name)
+    for name, buffer in module.named_buffers():
+        init = plan.get(canonical_name(name))
+        if init is not None:
+            init_parameter_(buffer, init, seed=seed, key=init.key or canonical_name(name))
     return missing

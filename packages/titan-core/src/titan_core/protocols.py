@@ -26,6 +26,7 @@ TPStyle = Literal[
     "sequence_parallel",  # a norm that runs on sequence-sharded activations when SP is on
     "block_input",  # a module (attention, feed-forward) whose first input is gathered from sequence shards
     "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
+    "head_shared",  # a module whose output each rank combines with its own heads only (MLA's rotary key): weights replicated, the output's gradient summed over the ranks
 ]
 """How one submodule is split across the tensor-parallel group (see `TPPlan`)."""
 
@@ -45,6 +46,10 @@ class TPPlan:
 
     root: Mapping[str, TPStyle] = field(default_factory=dict)
     block: Mapping[str, TPStyle] = field(default_factory=dict)
+    blocks: Mapping[str, Mapping[str, TPStyle]] = field(default_factory=dict)
+    """Plans of particular blocks, by their key in `layers`, each used instead of `block` for
+    that block: a model whose blocks differ (DeepSeek-V3's dense first blocks before the
+    mixture-of-experts ones)."""
     divisible_by_tp: Mapping[str, int] = field(default_factory=dict)
     """Sizes that must divide by the TP degree, by name (e.g. {"n_heads": 32, "n_kv_heads": 8})."""
 

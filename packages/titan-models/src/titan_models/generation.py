@@ -33,10 +33,9 @@ class LayerCache:
         """Store `k`, `v` (`[batch, seq, heads, head_dim]`) at positions start..start+seq and
         return the keys and values of positions 0..start+seq."""
         end = start + k.shape[1]
-        if self.k is None:
-            shape = (k.shape[0], self.max_len, *k.shape[2:])
-            self.k = k.new_zeros(shape)
-            self.v = v.new_zeros(shape)
+        if self.k is None:  # values may be narrower than keys (DeepSeek's MLA)
+            self.k = k.new_zeros((k.shape[0], self.max_len, *k.shape[2:]))
+            self.v = v.new_zeros((v.shape[0], self.max_len, *v.shape[2:]))
         self.k[:, start:end] = k
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]

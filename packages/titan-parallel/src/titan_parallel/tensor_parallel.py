@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -50,6 +51,20 @@ class _GatherSequence(ParallelStyle):
         return module
 
 
+class _SumOutputGradient(ParallelStyle):
+    """A replicated module whose output every rank uses with its own heads only (DeepSeek's
+    rotary key, shared by all heads): the forward is unchanged, and the output's gradient,
+    of which each rank holds the part from its heads, is summed over the ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def sum_gradient(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            replicated = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
+            return replicated.to_local(grad_placements=(Partial(),))
+
+        module.register_forward_hook(sum_gradient)
+        return module
+
+
 def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle | None:
     """The torch ParallelStyle for one TPStyle, or None when the module stays as it is."""
     seq = Shard(1) if sp else Replicate()
@@ -69,8 +84,11 @@ def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle
             output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
             use_local_output=not loss_parallel_on,
         )
+    if style == "head_shared":
+        return _SumOutputGradient()
     raise ValueError(
-        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input, embedding, output"
+        f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input,"
+        " embedding, output, head_shared"
     )
 
 
@@ -100,9 +118,10 @@ def check_tp_plan(model: nn.Module, plan: TPPlan, tp_degree: int) -> list[str]:
     ]
     missing = [n for n in plan.root if not _has_path(model, n)]
     layers = getattr(model, "layers", None)
-    if plan.block and layers is not None:
+    if layers is not None:
         for block_name, block in layers.items():
-            missing += [f"layers.{block_name}.{n}" for n in plan.block if not _has_path(block, n)]
+            names = block_plan(plan, block_name)
+            missing += [f"layers.{block_name}.{n}" for n in names if not _has_path(block, n)]
     if missing:
         problems.append(
             f"the tensor-parallel plan names modules the model does not have: {', '.join(missing[:5])}"
@@ -112,11 +131,16 @@ def check_tp_plan(model: nn.Module, plan: TPPlan, tp_degree: int) -> list[str]:
     return problems
 
 
+def block_plan(plan: TPPlan, key: str) -> Mapping[str, TPStyle]:
+    """The styles of block `key` of `layers`: its own entry in `plan.blocks`, else `plan.block`."""
+    return plan.blocks.get(key, plan.block)
+
+
 def _module_styles(model: nn.Module, plan: TPPlan) -> dict[str, TPStyle]:
     """The style of every module the plan names, by fully qualified name."""
     styles = {n: s for n, s in plan.root.items() if _submodule(model, n) is not None}
     for key in getattr(model, "layers", nn.ModuleDict()):
-        styles.update({f"layers.{key}.{n}": s for n, s in plan.block.items()})
+        styles.update({f"layers.{key}.{n}": s for n, s in block_plan(plan, key).items()})
     return styles
 
 
@@ -218,9 +242,11 @@ def apply_tp(
     root = {n: s for n, s in root.items() if _submodule(model, n) is not None}
     if root:
         parallelize_module(model, tp_mesh, root)
-    block_plan = {n: s for n, st in plan.block.items() if (s := _style(st, **styles)) is not None}
-    for block in getattr(model, "layers", nn.ModuleDict()).values():
-        parallelize_module(block, tp_mesh, block_plan)
+    for key, block in getattr(model, "layers", nn.ModuleDict()).items():
+        names = block_plan(plan, key).items()
+        parallelize_module(
+            block, tp_mesh, {n: s for n, st in names if (s := _style(st, **styles)) is not None}
+        )
     # Each module got a split copy of a tied parameter (split the same way, checked above):
     # hold one again, so that both uses add into one gradient.
     retie(model, tied)

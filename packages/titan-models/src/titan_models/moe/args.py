@@ -24,6 +24,9 @@ class MoEArgs:
     """Divide the chosen experts' scores by their sum (Qwen3's norm_topk_prob)."""
     route_scale: float = 1.0
     """Multiply the routing weights by this (DeepSeek-V3's routed_scaling_factor)."""
+    score_before_experts: bool = False
+    """Multiply each token by its routing weight before the expert instead of multiplying the
+    expert's output (Llama 4); the same for a linear expert, not for a SwiGLU."""
     num_groups: int = 1
     """Group-limited routing (DeepSeek-V3): the experts split into this many groups..."""
     top_k_groups: int = 1

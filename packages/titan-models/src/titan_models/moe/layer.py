@@ -71,8 +71,12 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts
         order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
         token_of = order // a.top_k
-        routed = self.experts(tokens[token_of], counts)
-        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        weight_of = weights.flatten()[order].unsqueeze(-1)
+        if a.score_before_experts:
+            routed = self.experts(tokens[token_of] * weight_of.to(tokens.dtype), counts)
+        else:
+            routed = self.experts(tokens[token_of], counts)
+            routed = routed * weight_of.to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)

@@ -66,6 +66,7 @@ def block_init_plan(layer_id: int, args: Qwen3Args) -> dict[str, ParamInit]:
             outs += ["shared_experts.w2.weight"]
         plan |= {f"feed_forward.{n}": ParamInit.truncated(BASE_STD) for n in names}
         plan |= {f"feed_forward.{n}": ParamInit.truncated(out_std) for n in outs}
+        plan["feed_forward.expert_bias"] = ParamInit("constant", value=0.0)  # a buffer, saved
     return plan
 
 
@@ -191,6 +192,8 @@ class Qwen3Transformer(nn.Module):
         self.rope_cache = build_rope_cache(self.args, device)
         for moe in self._moe_layers():  # load counts since the last bias update: none yet
             moe.tokens_per_expert = torch.zeros_like(moe.tokens_per_expert, device=device)
+            # State, not a table: its values (from init_plan or a checkpoint) are kept.
+            moe.expert_bias = moe.expert_bias.to(device)
 
     def _moe_layers(self) -> list[MoE]:
         return [b.feed_forward for b in self.layers.values() if isinstance(b.feed_forward, MoE)]
@@ -199,8 +202,6 @@ class Qwen3Transformer(nn.Module):
         self, buffer_device: torch.device | None = None, *, seed: int | None = None
     ) -> None:
         self.init_buffers(buffer_device)
-        for moe in self._moe_layers():  # a buffer, but state: saved, and loaded with the weights
-            moe.expert_bias = torch.zeros_like(moe.expert_bias, device=moe.tokens_per_expert.device)
         seed = torch.initial_seed() if seed is None else seed
         missing = init_from_plan_(self, self.init_plan(), seed)
         if missing:

@@ -1,0 +1,58 @@
+"""Parameter and FLOP counts of a DeepSeek-V3 model from its `DeepSeekV3Args` alone (the same
+on every rank, whatever parallelism did to the module).
+
+FLOPs follow Llama 3's convention (see `titan_models.llama3.flops`): 6 per matmul weight a
+token goes through (for a mixture of experts: the router, its top_k experts and the shared
+ones; active parameters), plus attention at 6 x seq_len x (qk_head_dim + v_head_dim) per head
+and layer (q @ k^T and the weighted sum of values, forward and backward, the full square).
+"""
+
+from __future__ import annotations
+
+from titan_models.deepseek_v3.args import DeepSeekV3Args
+
+
+def _attention_params(a: DeepSeekV3Args) -> int:
+    q_out = a.n_heads * a.qk_head_dim
+    query = a.dim * a.q_lora_rank + a.q_lora_rank * q_out if a.q_lora_rank else a.dim * q_out
+    kv = a.dim * (a.kv_lora_rank + a.qk_rope_head_dim)  # wkv_a and wk_rope
+    kv += a.kv_lora_rank * a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)
+    return query + kv + a.n_heads * a.v_head_dim * a.dim
+
+
+def _attention_norms(a: DeepSeekV3Args) -> int:
+    return a.kv_lora_rank + a.q_lora_rank
+
+
+def _moe_params(a: DeepSeekV3Args, *, active: bool) -> int:
+    moe = a.moe
+    experts = moe.top_k if active else moe.num_experts
+    shared = 3 * a.dim * moe.hidden_dim * moe.num_shared_experts
+    return a.dim * moe.num_experts + 3 * a.dim * moe.hidden_dim * experts + shared
+
+
+def _ffn_params(a: DeepSeekV3Args, *, active: bool) -> int:
+    """Feed-forward weights of all blocks together."""
+    dense = (a.n_layers - a.n_moe_layers) * 3 * a.dim * a.hidden_dim
+    return dense + (a.n_moe_layers * _moe_params(a, active=active) if a.n_moe_layers else 0)
+
+
+def deepseek_v3_param_count(args: DeepSeekV3Args, *, active: bool = False) -> int:
+    """Total parameters (a tied embedding counted once; the expert-bias buffers are not
+    parameters), or with `active` those one token uses (the experts it is not routed to
+    left out)."""
+    a = args
+    per_block = _attention_params(a) + _attention_norms(a) + 2 * a.dim
+    embedding = a.vocab_size * a.dim
+    output = 0 if a.tie_word_embeddings else a.vocab_size * a.dim
+    return embedding + a.n_layers * per_block + _ffn_params(a, active=active) + a.dim + output
+
+
+def deepseek_v3_flops_per_token(args: DeepSeekV3Args, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token at this sequence length, over the active
+    parameters."""
+    a = args
+    matmul = a.n_layers * _attention_params(a) + _ffn_params(a, active=True)
+    matmul += a.vocab_size * a.dim  # the output projection
+    attention = 6 * a.n_layers * a.n_heads * (a.qk_head_dim + a.v_head_dim) * seq_len
+    return float(6 * matmul + attention)

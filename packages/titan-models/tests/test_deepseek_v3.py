@@ -1,0 +1,261 @@
+"""DeepSeek-V3: flavors at their published sizes, FLOPs over active parameters, the model
+against Hugging Face transformers' DeepseekV3ForCausalLM (logits within 1e-4 in float32,
+weights going both ways through the Hub's file layout), and the pieces the trainer relies on
+(init by name, meta build, the TP plan naming real modules)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from titan_core.init import init_from_plan_
+from titan_models.deepseek_v3 import (
+    DeepSeekV3HFAdapter,
+    DeepSeekV3Transformer,
+    deepseek_v3_flavors,
+    deepseek_v3_flops_per_token,
+    deepseek_v3_param_count,
+    deepseek_v3_spec,
+    with_moe,
+)
+
+transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def build(args, seed: int = 0) -> DeepSeekV3Transformer:
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model
+
+
+# Published totals and active parameters, in billions (671B without its 14B MTP module; the
+# 16B and 236B flavors are DeepSeek-V2-Lite's and DeepSeek-V2's shapes).
+PUBLISHED = {"16B": (15.7, 2.4), "236B": (236.0, 21.0), "671B": (671.0, 37.0)}
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+def test_flavors_have_their_published_sizes(flavor):
+    args = deepseek_v3_flavors[flavor]
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(args)
+    counted = sum(p.numel() for p in model.parameters())
+    assert counted == deepseek_v3_param_count(args)
+    total, active = PUBLISHED[flavor]
+    assert abs(counted / 1e9 - total) / total < 0.01, counted
+    # V2-Lite's published 2.4B leaves out part of its 0.4B embedding and output matrices.
+    active_count = deepseek_v3_param_count(args, active=True)
+    assert abs(active_count / 1e9 - active) / active < 0.12, active_count
+
+
+def test_flops_per_token_count_the_active_weights_once_each():
+    args = deepseek_v3_flavors["debugmodel"]
+    model = build(args)
+    # Count from the module: every matmul weight, with a MoE layer's routed experts scaled to
+    # the top_k a token goes through; embedding, norms and biases do no matmul.
+    matmul = 0
+    for name, p in model.named_parameters():
+        if name.startswith("tok_embeddings") or p.dim() < 2:
+            continue
+        share = args.moe.top_k / args.moe.num_experts if ".experts." in name else 1
+        matmul += p.numel() * share
+    seq = 64
+    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq
+    assert model.flops_per_token(seq) == pytest.approx(6 * matmul + attention, rel=1e-12)
+    # 671B: about 6 x 37B per token at short sequences, far below 6 x 671B.
+    big = deepseek_v3_flavors["671B"]
+    assert 6 * 36e9 < deepseek_v3_flops_per_token(big, 0) < 6 * 38e9
+
+
+def test_init_is_a_function_of_seed_and_name_and_the_tp_plan_names_real_modules():
+    args = deepseek_v3_flavors["debugmodel"]
+    model, again = build(args), build(args)
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
+    named = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    assert set(model.init_plan()) == named - {"rope_cache", "attn_temperature"} - {
+        n for n in named if n.endswith("tokens_per_expert")
+    }
+    # The routing bias is state, drawn from the plan like the weights (a sharded run initialises
+    # through init_plan alone, after to_empty left anything in it).
+    for name, b in model.named_buffers():
+        if name.endswith("expert_bias"):
+            b.fill_(float("nan"))
+    init_from_plan_(model, model.init_plan(), seed=0)
+    biases = [b for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    assert len(biases) == 5 and all(torch.equal(b, torch.zeros(8)) for b in biases)
+    for changes in (dict(q_lora_rank=0), dict(q_lora_rank=32), dict(moe=None)):
+        with torch.device("meta"):
+            model = DeepSeekV3Transformer(_small(**changes))
+        plan = model.tp_plan()
+        for key, block in model.layers.items():
+            names = plan.blocks.get(key, plan.block)
+            for name in names:
+                block.get_submodule(name)
+            # The dense feed-forward is split wherever there is one; MoE blocks are left to
+            # their own plan.
+            assert ("feed_forward.w1" in names) == (not hasattr(block.feed_forward, "experts"))
+            assert "attention.wkv_b" in names
+
+
+def _small(**changes):
+    args = deepseek_v3_flavors["debugmodel"]
+    moe = dataclasses.replace(args.moe, num_experts=8, top_k=2, hidden_dim=32, num_groups=4,
+                              top_k_groups=2)  # fmt: skip
+    base = dict(dim=64, n_layers=3, n_dense_layers=1, n_heads=4, vocab_size=300, hidden_dim=96,
+                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=12, max_seq_len=32, moe=moe)  # fmt: skip
+    return dataclasses.replace(args, **(base | changes))
+
+
+def _randomise(model):
+    """Non-trivial norm scales and expert biases (a misplaced one shows), and queries and keys
+    large enough for sharp attention (at init scale attention is nearly uniform, and a wrong
+    softmax scale would hardly change the logits)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("wq.weight", "wq_b.weight", "wkv_b.weight")):
+                p.normal_(std=0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.uniform_(-0.1, 0.1)
+
+
+CASES = {
+    # YaRN with V3's mscale, compressed queries, sigmoid group-limited routing, bias.
+    "v3": dict(),
+    # Uncompressed queries, V2's mscale, every expert group allowed, no YaRN in the second.
+    "q_proj_mscale": dict(q_lora_rank=0, mscale=0.707),
+    "no_yarn_dense_first_two": dict(rope_factor=1.0, n_dense_layers=2, q_lora_rank=0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_both_ways(tmp_path, case):
+    args = _small(**CASES[case])
+    model = build(args)
+    _randomise(model)
+    adapter = DeepSeekV3HFAdapter(args, torch_dtype="float32")
+    # Export: our weights in the Hub's layout, loaded by transformers.
+    out = tmp_path / "export"
+    out.mkdir()
+    hf = adapter.to_hf(model.state_dict())
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in hf
+    safetensors_torch.save_file(
+        {k: v.contiguous() for k, v in hf.items()}, out / "model.safetensors"
+    )
+    (out / "config.json").write_text(json.dumps(adapter.hf_config()))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == "DeepseekV3ForCausalLM"
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf_model(input_ids=tokens).logits
+    export_diff = (ours - theirs).abs().max().item()
+    assert export_diff <= 1e-4, export_diff
+    assert theirs.abs().max() > 0.1
+
+    # Import: the checkpoint transformers writes, into a differently seeded model of ours.
+    saved = tmp_path / "saved"
+    hf_model.save_pretrained(saved)
+    hf_weights = {}
+    for f in saved.glob("*.safetensors"):
+        hf_weights |= safetensors_torch.load_file(f)
+    reloaded = build(args, seed=123)
+    reloaded.load_state_dict(adapter.from_hf(hf_weights))
+    with torch.no_grad():
+        import_diff = (reloaded(tokens) - theirs).abs().max().item()
+    assert import_diff <= 1e-4, import_diff
+    print(f"deepseek_v3 {case}: export {export_diff:.2e}, import {import_diff:.2e}")
+
+
+def test_yarn_and_its_softmax_scale_matter_to_the_logits():
+    """A model that ignored YaRN's frequencies or its mscale would fail the comparisons above."""
+    args = _small()
+    tokens = torch.randint(0, args.vocab_size, (1, args.max_seq_len))
+    model = build(args)
+    _randomise(model)
+    base = model(tokens)
+    for change in (dict(mscale=0.707), dict(rope_factor=20.0), dict(rope_factor=1.0)):
+        other = build(dataclasses.replace(args, **change))
+        other.load_state_dict(model.state_dict())
+        # At least ten times the 1e-4 the comparisons above allow.
+        assert (other(tokens) - base).abs().max() > 1e-3, change
+
+
+def test_import_leaves_out_the_multi_token_prediction_layer_and_nothing_else():
+    args = _small()
+    adapter = DeepSeekV3HFAdapter(args)
+    hf = adapter.to_hf(build(args).state_dict())
+    mtp = {f"model.layers.3.{n}": torch.zeros(1) for n in ("eh_proj.weight", "enorm.weight")}
+    assert adapter.from_hf(hf | mtp).keys() == adapter.from_hf(hf).keys()
+    with pytest.raises(KeyError, match="the checkpoint has layer 3, but the model has 3"):
+        adapter.from_hf(hf | {"model.layers.3.input_layernorm.weight": torch.zeros(1)})
+
+
+def test_softmax_routed_flavors_are_refused_for_export_with_the_reason():
+    adapter = deepseek_v3_spec.hf_adapter(deepseek_v3_flavors["16B"])
+    with pytest.raises(ValueError, match="only with sigmoid ones"):
+        adapter.hf_config()
+
+
+def test_grouped_experts_and_the_loop_give_the_same_model():
+    args = _small()
+    grouped, loop = build(args), build(with_moe(args, use_grouped_mm=False))
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(grouped(tokens), loop(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_yarn_softmax_scale_follows_mscale():
+    from titan_models.deepseek_v3.rope import softmax_scale
+
+    args = deepseek_v3_flavors["671B"]
+    expected = 192**-0.5 * (0.1 * math.log(40) + 1) ** 2
+    assert softmax_scale(args) == pytest.approx(expected)
+    assert softmax_scale(dataclasses.replace(args, rope_factor=1.0)) == 192**-0.5
+
+
+def test_cached_decoding_gives_the_logits_of_a_full_forward():
+    from titan_models import KVCache
+
+    args = _small()
+    model = build(args).eval()
+    _randomise(model)
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(max_len=24)
+        # A prompt of 10, a piece of 4, then one token at a time.
+        parts = [model(tokens[:, :10], kv_cache=cache), model(tokens[:, 10:14], kv_cache=cache)]
+        parts += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(14, 24)]
+    # fp32; the cached path attends with an explicit mask instead of is_causal: ~1e-6.
+    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
+    assert cache.pos == 24
+
+
+def test_the_family_is_registered_as_deepseek_v3():
+    from titan_core import plugins, resolve
+
+    assert resolve(plugins.MODELS, "deepseek_v3") is deepseek_v3_spec
+    assert isinstance(deepseek_v3_spec.hf_adapter(deepseek_v3_flavors["671B"]), DeepSeekV3HFAdapter)
+
+
+def test_readme_flavor_table_lists_every_flavor_with_its_exact_sizes():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## DeepSeek-V3") :]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    for name, args in deepseek_v3_flavors.items():
+        row = next(r for r in rows if r.startswith(f"| `{name}` |"))
+        assert f"{deepseek_v3_param_count(args):,}" in row, name
+        assert f"{deepseek_v3_param_count(args, active=True):,}" in row, name
