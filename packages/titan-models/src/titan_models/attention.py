@@ -82,10 +82,13 @@ def _flex_attention():
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None
 ) -> torch.Tensor:
-    """Attention of `[batch, heads, seq, head_dim]` queries, keys and values (as many key and
-    value heads as query heads): causal, or block-causal under `mask`."""
+    """Attention of `[batch, heads, seq, head_dim]` queries, keys and values: causal, or
+    block-causal under `mask`. Keys and values may have fewer heads than the queries
+    (grouped-query attention: kv head i serves query heads i*r .. (i+1)*r-1); the kernels
+    read them in place, which saves the copies (and their backward sums) of repeating them."""
+    gqa = k.shape[1] != q.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.block_mask is not None:
-        return _flex_attention()(q, k, v, block_mask=mask.block_mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
+        return _flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
