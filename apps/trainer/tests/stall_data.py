@@ -25,6 +25,11 @@ class WrappedLoader:
     def load_state_dict(self, state):
         self.inner.load_state_dict(state)
 
+    def __getattr__(self, name):
+        # Everything else the trainer asks of a loader (merge_state_dicts, tokens_by_source,
+        # skipped_rows) is the real loader's.
+        return getattr(self.inner, name)
+
     @classmethod
     def spec(cls, name: str) -> DataSpec:
         """A data package whose loader is this class around the default one."""

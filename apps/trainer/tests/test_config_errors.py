@@ -91,6 +91,12 @@ def test_seed_checkpoint_needs_one_process():
         ),
         (["--lr_scheduler.decay_type", "exp"], 'allowed: "linear", "sqrt", "cosine"'),
         (["--parallelism.tensor_parallel_degree", "0"], "tensor_parallel_degree = 0 is not valid"),
+        (
+            ["--training.dataloader.num_workers", "-1"],
+            "titan: config error: [training.dataloader] num_workers = -1 is not valid\n"
+            "       use 0 (load in the training process) or more",
+        ),
+        (["--model.attn_mask_type", "document"], 'allowed: "causal", "block_causal"'),
     ],
 )
 def test_section_level_errors(args, expected):
@@ -150,3 +156,35 @@ def test_console_ranks_are_checked_against_the_job_size(monkeypatch):
     assert rank_problems(load_config(JobConfig, []).logging, 2) == [
         "LOG_RANK = '3' names rank 3, but the job has 2 processes\nuse ranks from 0 to 1, or all"
     ]
+
+
+def test_block_causal_attention_is_refused_with_context_parallel():
+    text = problems(
+        ["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"],
+        world_size=2,
+    )
+    assert (
+        "[model] attn_mask_type = 'block_causal' does not work with context parallel"
+        " (context_parallel_degree = 2): torch's context-parallel attention takes no mask" in text
+    )
+    assert "use attn_mask_type = 'causal' with context parallel" in text
+
+
+def test_block_causal_attention_needs_a_model_that_takes_document_ids():
+    from titan_trainer.checks import preflight_problems
+
+    config = load_config(
+        JobConfig,
+        [
+            "--model.name",
+            "runtime_models:third_party_spec",
+            "--model.attn_mask_type",
+            "block_causal",
+        ],
+    )
+    found, _, _ = preflight_problems(config, 1)
+    assert any(
+        "[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
+        " `document_ids`, and runtime_models:third_party_spec's (ThirdParty) does not" in p
+        for p in found
+    ), found

@@ -32,3 +32,8 @@ def test_mfu_above_100_percent_is_marked_and_warned_about_once(tmp_path, capsys)
 
 def test_mfu_of_exactly_100_percent_is_not_marked():
     assert "(peak too low!)" not in format_line(1, {**LINE, "mfu_pct": 100.0})
+
+
+def test_a_mixture_shows_the_tokens_of_each_source():
+    line = format_line(1, {**LINE, "mfu_pct": 1.0, "tokens/c4": 1.25e6, "tokens/code": 4.0e5})
+    assert line.endswith("| tokens c4 1.2M, code 400.0K")

@@ -55,6 +55,7 @@ dataset = "c4_test"
 
 [training.dataloader]
 num_workers = 0
+persistent_workers = false
 
 [parallelism]
 data_parallel_replicate_degree = 1
@@ -106,9 +107,11 @@ def test_a_torchtitan_style_toml_loads_with_one_warning_naming_the_unimplemented
     for key in (
         "[metrics] disable_color_printing",
         "[parallelism] expert_parallel_comm_backend",
-        "[training.dataloader] num_workers",
+        "[training.dataloader] persistent_workers",
     ):
         assert key in warnings[0], warnings
+    # torchtitan's worker count is Titan's too.
+    assert config.training.dataloader.num_workers == 0
     assert config.training.seed == 42  # [debug] seed is torchtitan's name for training.seed
     # Implemented (experts split over the TP ranks; with TP off, 1 is what -1 means).
     assert config.parallelism.expert_tensor_parallel_degree == 1

@@ -235,3 +235,43 @@ def test_pipeline_stages_on_one_rank_save_names_of_the_whole_model(tmp_path):
         ).load()
         == 1
     )
+
+
+class _GlobalPosition:
+    """A loader state that is one position of the whole job (`GLOBAL_STATE`)."""
+
+    state_is_global = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state):
+        self.inner.load_state_dict(state)
+
+
+@pytest.mark.parametrize("is_global", [True, False])
+def test_a_global_loader_state_is_stored_once_and_restored_on_another_data_parallel_degree(
+    tmp_path, is_global
+):
+    run = build_run()
+    states = run.states()
+    if is_global:
+        states["dataloader"] = _GlobalPosition(run.data)
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=2), states, tmp_path, dp_rank=0, dp_world_size=2
+    )
+    train(run, 2, manager)
+    manager.close()
+    keys = checkpoint_keys(tmp_path / "step-2")
+    assert ("dataloader.state" in keys) == is_global and ("dataloader.dp0" in keys) != is_global
+    fresh = build_run(seed=1)
+    states = fresh.states()
+    if is_global:
+        states["dataloader"] = _GlobalPosition(fresh.data)
+    # Resumed with 4 data-parallel ranks: a per-rank state does not fit, the global one does.
+    CheckpointManager(Checkpoint(enable=True), states, tmp_path, dp_world_size=4).load()
+    assert fresh.data.position == (run.data.position if is_global else 0)
+    assert fresh.state.step == 2

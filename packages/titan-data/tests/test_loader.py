@@ -7,7 +7,7 @@ import torch
 from conftest import write_jsonl
 
 from titan_core import DataSpec, StatefulLoader, Tokenizer, plugins, resolve
-from titan_data import build_dataloader, load_tokenizer, pydocs_documents
+from titan_data import DataError, build_dataloader, load_tokenizer, pydocs_documents
 
 BYTE = load_tokenizer("byte")
 
@@ -41,17 +41,21 @@ def chunks(tokens, size):
     return [tokens[i : i + size] for i in range(0, len(tokens) - size + 1, size)]
 
 
-def test_documents_are_packed_into_windows_with_bos_and_eos(jsonl_file, documents):
+def test_each_slot_packs_its_own_documents_into_windows_with_bos_and_eos(jsonl_file, documents):
+    # Three samples per step: slot s packs documents s, s + 3, s + 6, ... into its own stream,
+    # and row s of every batch is that stream's next window.
     batches = list(loader(jsonl_file, seq_len=37, batch_size=3, infinite=False))
-    assert all(b[0].shape == (3, 37) for b in batches)
-    expected = chunks(stream(documents), 38)
-    got = windows(batches)
-    # The stream ends with a partial batch, which is dropped.
-    assert got == expected[: len(got)] and len(expected) - len(got) < 3
-    flat = [t for row in got for t in row]
+    assert all(b[0].shape == (3, 37) for b in batches) and len(batches) > 5
+    rows = [torch.cat([inputs, labels[:, -1:]], dim=1) for inputs, labels in batches]
+    for slot in range(3):
+        expected = chunks(stream(documents[slot::3]), 38)
+        got = [r[slot].tolist() for r in rows]
+        assert got == expected[: len(got)]
+    flat = [t for r in rows for t in r[0].tolist()]
     assert flat[0] == BYTE.bos_id
     ends = [i for i, t in enumerate(flat) if t == BYTE.eos_id]
-    assert len(ends) > 10 and all(flat[i + 1] == BYTE.bos_id for i in ends if i + 1 < len(flat))
+    assert len(ends) > 5 and all(flat[i + 1] == BYTE.bos_id for i in ends if i + 1 < len(flat))
+    windows(batches)  # labels are the inputs shifted by one
 
 
 class Messages(logging.Handler):
@@ -70,16 +74,18 @@ def test_infinite_loader_repeats_the_data_and_logs_each_epoch(tmp_path, document
     titan_log.addHandler(messages)
     level, titan_log.level = titan_log.level, logging.INFO
     try:
-        it = iter(loader(path, seq_len=15, batch_size=4))
+        # One sample per step: one stream reads every document.
+        it = iter(loader(path, seq_len=15, batch_size=1))
         per_epoch = len(stream(documents[:5]))
-        n = 3 * per_epoch // 64 + 1  # more than three epochs of tokens
+        n = 3 * per_epoch // 16 + 1  # more than three epochs of tokens
         got = windows(next(it) for _ in range(n))
     finally:
         titan_log.removeHandler(messages)
         titan_log.level = level
-    assert got == chunks(stream(documents[:5] * 4), 16)[: n * 4]
+    assert got == chunks(stream(documents[:5] * 4), 16)[:n]
     assert messages.lines[:3] == [
-        f"data: {path} epoch {e} ended after 5 documents on dp rank 0; starting epoch {e + 1}"
+        f"data: {path} epoch {e} of packing stream 0 ended after 5 documents; starting epoch"
+        f" {e + 1}"
         for e in range(3)
     ]
 
@@ -118,8 +124,7 @@ def test_resume_from_state_matches_uninterrupted_run_on_pydocs(world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_resume_across_epoch_boundaries_on_sharded_files(two_jsonl_files, world):
-    # Two files and two ranks: each rank streams one whole file (shard-wise split); with one
-    # rank both files. Small windows make several epochs pass within the run.
+    # Small windows make several epochs pass within the run.
     for rank in range(world):
         _, reference = resume_matches(
             lambda rank=rank: loader(
@@ -127,7 +132,8 @@ def test_resume_across_epoch_boundaries_on_sharded_files(two_jsonl_files, world)
             ),
             ks=[0, 2, 5, 11, 17, 23, 29, 31, 37, 43, 53, 60],
         )
-        assert reference.state_dict()["epoch"] >= 2  # the run crossed two epoch boundaries
+        epochs = [s["epoch"] for s in reference.state_dict()["streams"].values()]
+        assert max(epochs) >= 2  # the run crossed two epoch boundaries
 
 
 def test_resume_with_the_llama3_tokenizer(llama3, c4_clone):
@@ -170,8 +176,9 @@ def decoded_doc_ids(batches):
     return re.findall(r"doc-(\d{4})", text)
 
 
-def test_ranks_read_disjoint_documents_example_wise(jsonl_file, documents):
-    # One file, two ranks: rank r reads documents r, r+2, r+4, ...
+def test_ranks_read_disjoint_documents(jsonl_file, documents):
+    # Two ranks, two samples each per step: rank r holds slots 2r and 2r + 1, which read
+    # documents 2r, 2r + 4, ... and 2r + 1, 2r + 5, ...
     seen = []
     for rank in range(2):
         batches = list(
@@ -179,42 +186,38 @@ def test_ranks_read_disjoint_documents_example_wise(jsonl_file, documents):
                 jsonl_file, seq_len=40, batch_size=2, dp_rank=rank, dp_world_size=2, infinite=False
             )
         )
-        got = windows(batches)
-        assert got == chunks(stream(documents[rank::2]), 41)[: len(got)]
+        rows = [torch.cat([i, lab[:, -1:]], dim=1) for i, lab in batches]
+        for position in range(2):
+            got = [r[position].tolist() for r in rows]
+            slot = 2 * rank + position
+            assert got == chunks(stream(documents[slot::4]), 41)[: len(got)]
         seen.append(set(decoded_doc_ids(batches)))
     assert not seen[0] & seen[1]
-    assert len(seen[0] | seen[1]) >= 45  # all but the documents in each rank's dropped tail
-
-
-def test_ranks_read_disjoint_files_shard_wise(two_jsonl_files, documents):
-    for rank in range(2):
-        got = windows(
-            loader(
-                two_jsonl_files,
-                seq_len=40,
-                batch_size=2,
-                dp_rank=rank,
-                dp_world_size=2,
-                infinite=False,
-            )
-        )
-        assert got == chunks(stream(documents[25 * rank : 25 * rank + 25]), 41)[: len(got)]
+    assert len(seen[0] | seen[1]) >= 40  # all but the documents in each stream's dropped tail
 
 
 def test_infinite_ranks_with_unequal_shares_produce_equal_batch_counts(tmp_path, documents):
     path = write_jsonl(tmp_path / "three.jsonl", [documents[0], documents[1] * 10, documents[2]])
     counts = []
     for rank in range(2):
-        it = iter(loader(path, seq_len=16, batch_size=2, dp_rank=rank, dp_world_size=2))
+        it = iter(loader(path, seq_len=16, batch_size=1, dp_rank=rank, dp_world_size=2))
         counts.append(sum(1 for _ in zip(range(200), it)))
     assert counts == [200, 200]
 
 
-def test_a_rank_without_documents_gets_a_clear_error(tmp_path, documents):
+def test_a_stream_without_documents_gets_a_clear_error_when_the_loader_is_built(
+    tmp_path, documents
+):
     path = write_jsonl(tmp_path / "one.jsonl", documents[:1])
-    assert next(iter(loader(path, seq_len=4, dp_rank=0, dp_world_size=2)))[0].shape == (2, 4)
-    with pytest.raises(ValueError, match="gave no documents to dp rank 1 of 2"):
-        next(iter(loader(path, seq_len=4, dp_rank=1, dp_world_size=2)))
+    assert next(iter(loader(path, seq_len=4, batch_size=1, dp_rank=0, dp_world_size=2)))[
+        0
+    ].shape == (1, 4)
+    with pytest.raises(DataError) as info:
+        loader(path, seq_len=4, batch_size=1, dp_rank=1, dp_world_size=2)
+    message = str(info.value)
+    assert "gives packing stream 1 of 2 no documents" in message
+    assert "fewer documents (or shards) than the global batch has samples (2)" in message
+    assert "titan-data tokenize" in message
 
 
 def test_state_from_a_different_setup_is_refused(jsonl_file):

@@ -1,3 +1,5 @@
+import gzip
+import json
 import os
 import shutil
 
@@ -10,7 +12,11 @@ from titan_data import build_dataloader, load_source, load_tokenizer, pydocs_doc
 
 
 def texts(source):
-    return [row[source.text_field] for row in source.build()]
+    """Every document of `source`, read once by one stream."""
+    reader, out = source.open(0, 1), []
+    while (row := reader.next()) is not None:
+        out.append(row.text)
+    return out
 
 
 def test_pydocs_is_real_english_deterministic_and_deduplicated():
@@ -79,7 +85,7 @@ def test_c4_reads_a_folder_of_bare_json_gz_files(c4_clone, documents):
 def test_any_hub_name_reads_its_local_copy_and_names_the_hub_otherwise(c4_clone, documents):
     plain = os.path.join(c4_clone, "en")
     assert sorted(texts(load_source("someone/corpus", plain))) == sorted(documents[:40])
-    hub = load_source("someone/corpus")  # nothing is read until build()
+    hub = load_source("someone/corpus")  # nothing is read until a reader reads
     assert "someone/corpus split train from Hugging Face hub" in hub.description
     assert "allenai/c4 (en)" in load_source("c4").description
 
@@ -145,3 +151,42 @@ def test_mixed_formats_in_one_folder_are_refused(tmp_path, jsonl_file):
     pq.write_table(pa.table({"text": ["x"]}), tmp_path / "b.parquet")
     with pytest.raises(ValueError, match="mixes json and parquet files"):
         load_source(str(tmp_path))
+
+
+def _all_rows(reader):
+    rows = []
+    while (row := reader.next()) is not None:
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "json list", "text files"])
+def test_a_stream_reads_every_nth_document_and_resumes_from_any_position(tmp_path, documents, kind):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for part in range(3):  # three files, documents in order across them
+        docs = documents[part * 10 : part * 10 + 10]
+        if kind == "jsonl":
+            write_jsonl(folder / f"{part}.jsonl", docs)
+        elif kind == "jsonl.gz":
+            with gzip.open(folder / f"{part}.jsonl.gz", "wt", encoding="utf-8") as f:
+                f.writelines(json.dumps({"text": d}) + "\n\n" for d in docs)  # blank lines too
+        elif kind == "json list":
+            (folder / f"{part}.json").write_text(json.dumps([{"text": d} for d in docs]))
+        else:
+            for i, d in enumerate(docs):
+                (folder / f"{part}-{i:02d}.txt").write_text(d)
+    source = load_source(str(folder))
+    every = [row.text for row in _all_rows(source.open(0, 1))]
+    assert every == documents[:30]
+    for slot in range(3):
+        reader = source.open(slot, 3)
+        states, texts = [reader.state_dict()], []
+        while (row := reader.next()) is not None:
+            texts.append(row.text)
+            states.append(reader.state_dict())
+        assert texts == documents[slot:30:3]
+        for i, state in enumerate(states):
+            resumed = source.open(slot, 3)
+            resumed.load_state_dict(json.loads(json.dumps(state)))
+            assert [r.text for r in _all_rows(resumed)] == texts[i:], (slot, i)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 
 import torch
 
@@ -98,6 +99,13 @@ def check_config(config: JobConfig, world_size: int) -> None:
                 "use -1 to validate at the training sequence length"
             )
     problems += config.fault_tolerance.validate()
+    if config.model.attn_mask_type == "block_causal" and dims.cp > 1:
+        problems.append(
+            f"[model] attn_mask_type = 'block_causal' does not work with context parallel"
+            f" (context_parallel_degree = {dims.cp}): torch's context-parallel attention takes"
+            " no mask, so documents would see each other across the shards\nuse"
+            " attn_mask_type = 'causal' with context parallel, or context_parallel_degree = 1"
+        )
     if config.validation.enable and dims.pp_enabled:
         problems.append(
             "[validation] enable = true does not work with pipeline parallel yet\n"
@@ -211,6 +219,7 @@ def preflight_problems(
             data, "validation", config.validation.dataset, config.validation.dataset_path, notes
         )
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
+    problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
     if not dry_run:
         problems += fault_tolerance_problems(config)
@@ -274,6 +283,22 @@ def _pipeline_problems(
     except ConfigError as e:
         return e.problems
     return []
+
+
+def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
+    """block_causal needs a model whose forward takes `document_ids`."""
+    if config.model.attn_mask_type != "block_causal":
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    if "document_ids" in inspect.signature(model.forward).parameters:
+        return []
+    return [
+        f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
+        f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
+        " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
+        " titan_models.attention)"
+    ]
 
 
 def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):

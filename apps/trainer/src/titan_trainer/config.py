@@ -40,6 +40,11 @@ class Model:
     """Model converters applied before parallelism, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
     """Log the model after converters ran."""
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
+    the earlier tokens of its own document (documents start at the tokenizer's BOS), so that
+    packed documents do not see each other. FlexAttention on CUDA, a dense mask elsewhere; the
+    model's forward must take `document_ids` (titan-models' do). Not with context parallel."""
 
 
 @dataclass
@@ -115,11 +120,40 @@ class LRScheduler:
 
 
 @dataclass
+class DataLoaderOptions:
+    num_workers: int = 1
+    """Processes per rank that read, tokenize and pack the batches ahead of training (0: the
+    training process itself). Any count gives the same batches, and a checkpoint resumes on
+    any other count."""
+    prefetch_factor: int = 2
+    """Microbatches each worker keeps ready."""
+    pin_memory: bool = True
+    """Put batches in pinned memory, for faster copies to the GPU (CUDA only)."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.num_workers < 0:
+            problems.append(
+                f"[training.dataloader] num_workers = {self.num_workers} is not valid\n"
+                "use 0 (load in the training process) or more"
+            )
+        if self.prefetch_factor < 1:
+            problems.append(
+                f"[training.dataloader] prefetch_factor = {self.prefetch_factor} is not valid\n"
+                "use 1 or more"
+            )
+        return problems
+
+
+@dataclass
 class Training:
     dataset: str = "pydocs"
-    """Dataset: `pydocs` (embedded, offline), `c4`, a Hugging Face hub name, or a local file/folder/glob."""
+    """Dataset: `pydocs` (embedded, offline), `c4`, a Hugging Face hub name, a local
+    file/folder/glob, a folder written by `titan-data tokenize`, or a weighted mixture of
+    them: `c4:0.7,pydocs:0.3` (entries DATASET[=PATH][:WEIGHT])."""
     dataset_path: str | None = None
-    """Local copy of the dataset (for `c4` and other hub datasets)."""
+    """Local copy of the dataset (for `c4` and other hub datasets; a mixture gives each entry
+    its own as DATASET=PATH)."""
     data_plugin: str = "titan"
     """Package that builds tokenizers and loaders: an entry point in `titan.data` or `module:attr`."""
     bad_rows: Literal["error", "skip"] = "error"
@@ -154,6 +188,7 @@ class Training:
     """Seed for initialisation and data order; none picks 0."""
     deterministic: bool = False
     """Use deterministic kernels (slower)."""
+    dataloader: DataLoaderOptions = field(default_factory=DataLoaderOptions)
 
     def validate(self) -> list[str]:
         problems = []

@@ -46,6 +46,9 @@ def format_line(step: int, m: dict[str, float]) -> str:
         parts.append(f"data {m['data_pct']:.0f}%")
     if m.get("skipped_rows"):
         parts.append(f"skipped rows {m['skipped_rows']:,.0f}")
+    by_source = {k.removeprefix("tokens/"): v for k, v in m.items() if k.startswith("tokens/")}
+    if by_source:  # a mixture: tokens the job took from each source so far
+        parts.append("tokens " + ", ".join(f"{k} {_count(v)}" for k, v in by_source.items()))
     if "replica_groups" in m:
         parts.append(f"groups {m['replica_groups']:.0f}")
     if "expert_load" in m:  # mixture of experts: max / mean tokens per expert, worst layer
@@ -53,6 +56,14 @@ def format_line(step: int, m: dict[str, float]) -> str:
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']:,.0f}")
     return " | ".join(parts)
+
+
+def _count(n: float) -> str:
+    """1234 -> 1.2K, 5.6e6 -> 5.6M: short enough for the metrics line."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
 
 
 MFU_ABOVE_100 = (

@@ -32,6 +32,9 @@ class ParallelRuntime:
     flops_per_token: float = 0.0
     pipeline: titan_parallel.Pipeline | None = field(default=None, repr=False)
     autocast: torch.dtype | None = None
+    document_start_id: int | None = None
+    """With `[model] attn_mask_type = "block_causal"`: the token id that starts each document
+    (BOS); every forward then gets the `document_ids` it gives (see `model_kwargs`)."""
     _scale: float = 1.0
     _cp_buffers: list[dict[str, int]] = field(default_factory=list)
 
@@ -119,24 +122,33 @@ class ParallelRuntime:
         """Loss of one microbatch times `scale` (detached); gradients accumulate."""
         self._scale = scale
         inputs, labels = self._own_batch(inputs, labels)
+        kwargs = self.model_kwargs(inputs)
         with self._contexts(parts, inputs, labels):
             if self.pipeline is not None:
-                loss = self.pipeline.step(inputs, labels)
+                loss = self.pipeline.step(inputs, labels, **kwargs)
                 return titan_parallel.broadcast_pipeline_loss(
                     loss, self.dims.mesh("pp"), self.device
                 )
             (model,) = parts
-            loss = self._scaled_loss(model(inputs), labels)
+            loss = self._scaled_loss(model(inputs, **kwargs), labels)
             loss.backward()
         return _plain(loss.detach())
+
+    def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the model's forward gets besides the tokens: `document_ids` (`[batch, seq]`,
+        the documents started so far at each position) for block-causal attention."""
+        if self.document_start_id is None:
+            return {}
+        return {"document_ids": (inputs == self.document_start_id).cumsum(dim=-1)}
 
     def eval_loss(
         self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
     ) -> torch.Tensor:
         (model,) = parts
         inputs, labels = self._own_batch(inputs, labels)
+        kwargs = self.model_kwargs(inputs)
         with torch.no_grad(), self._contexts(parts, inputs, labels):
-            return _plain(self.loss_fn(model(inputs), labels).detach())
+            return _plain(self.loss_fn(model(inputs, **kwargs), labels).detach())
 
     def _own_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # CP shards the batch in place; the loader's inputs and labels are two views of one

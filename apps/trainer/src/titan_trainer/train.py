@@ -68,6 +68,7 @@ from titan_trainer.guards import (
     claim_run_folders,
     skipped_rows_total,
 )
+from titan_trainer.loader_state import checkpointed_loader, plugin_kwargs
 from titan_trainer.logs import rank_logging
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
@@ -206,6 +207,8 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     tokenizer = data.build_tokenizer(config.model.hf_assets_path or config.model.tokenizer_path)
 
     runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
+    if config.model.attn_mask_type == "block_causal":  # documents start at BOS
+        runtime.document_start_id = tokenizer.bos_id
     converters = build_converters(config, dims)
     parts = build_model(config, runtime, tokenizer.vocab_size, converters)
     problem = state_memory_problem(parts, info.device, optimizer_state_copies(config.optimizer))
@@ -226,7 +229,9 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
         "model": parts,
         "optimizer": optimizer,
         "lr_scheduler": lr_scheduler,
-        "dataloader": loader,
+        # One global position of the data that any data-parallel degree resumes from; replica
+        # groups (their own jobs and checkpoints) keep their own.
+        "dataloader": checkpointed_loader(loader, dims.mesh("dp"), per_rank=replicas is not None),
         "train_state": state,
     }
     if replicas is not None:
@@ -280,19 +285,31 @@ def write_resolved_config(config: JobConfig, rank: int) -> str:
 
 def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
     """One loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches.
-    Replica groups ([fault_tolerance]) each read their own share."""
+    Replica groups ([fault_tolerance]) each read their own share. The global batch (samples
+    per optimizer step over every data-parallel rank) fixes the data's global order, so a
+    job resumed on another data-parallel degree with the same global batch sees the same
+    samples."""
     dp_rank, dp_world = data_coordinates(config, dims)
-    return build_checked_loader(
-        data,
-        dataset=config.training.dataset,
-        dataset_path=config.training.dataset_path,
+    t = config.training
+    per_group = (
+        t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
+    )
+    kwargs = dict(
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
         tokenizer=tokenizer,
-        seq_len=config.training.seq_len,
-        batch_size=config.training.local_batch_size,
+        seq_len=t.seq_len,
+        batch_size=t.local_batch_size,
         dp_rank=dp_rank,
         dp_world_size=dp_world,
-        bad_rows=config.training.bad_rows,
+        bad_rows=t.bad_rows,
+        global_batch_size=per_group * (dp_world // dims.dp_degree),
+        num_workers=t.dataloader.num_workers,
+        prefetch_factor=t.dataloader.prefetch_factor,
+        pin_memory=t.dataloader.pin_memory,
+        seed=t.seed if t.seed is not None else 0,
     )
+    return build_checked_loader(data, **plugin_kwargs(data.build_dataloader, kwargs, t.data_plugin))
 
 
 def build_checkpointer(
@@ -532,6 +549,9 @@ def run_steps(run: Run) -> TrainResult:
         gc.enable()
         close_checkpointer(run.checkpointer, after_error=failed)
         window.metrics.close()
+        close_loader = getattr(run.loader, "close", None)
+        if callable(close_loader):  # its worker processes, before the interpreter exits
+            close_loader()
         if run.replicas is not None:  # leaves the quorums; torchft's threads stop
             run.replicas.close()
     return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
@@ -613,6 +633,9 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     _, loss, grad_norm = rows[-1]
     values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
+    by_source = getattr(run.loader, "tokens_by_source", None)
+    if by_source and len(by_source) > 1:  # a mixture: tokens the whole job took from each
+        values.update({f"tokens/{label}": float(n) for label, n in by_source.items()})
     values["skipped_steps"] = guard.skipped
     if (load := window.experts.read()) is not None:
         values["expert_load"] = load

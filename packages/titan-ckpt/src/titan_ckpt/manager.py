@@ -39,7 +39,7 @@ from titan_ckpt.staging import build_stager
 from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, TextState
 from titan_core.distributed import any_rank
 from titan_core.log import get_logger
-from titan_core.protocols import HFAdapter
+from titan_core.protocols import GLOBAL_STATE, HFAdapter
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 
 log = get_logger("ckpt")
@@ -62,7 +62,10 @@ class CheckpointManager:
     `states` maps names to objects: "model" (an nn.Module or a list of pipeline-stage modules),
     "optimizer" (a torch optimizer over the model's parameters), and any other `Stateful`
     (lr_scheduler, train_state, ...). "dataloader" is stored per data-parallel rank under
-    `dataloader.dp<rank>`. RNG states are added as `rng.rank<rank>`.
+    `dataloader.dp<rank>`, and not restored when the data-parallel degree changed; a loader
+    state that is global (`titan_core.GLOBAL_STATE`: the same on every rank, any layout
+    resumes from it) is stored once, as `dataloader.state`, and restored on any degree. RNG
+    states are added as `rng.rank<rank>`.
 
     Works in one plain process (no process group) and in any torch.distributed job; every rank
     calls every method. A manager that saves (`enable` or `create_seed_checkpoint`) checks at
@@ -119,7 +122,7 @@ class CheckpointManager:
                         'states has "optimizer" but no "model"; the optimizer is saved by parameter name'
                     )
                 wrapped[name] = OptimizerState(states["model"], obj)
-            elif name == "dataloader":
+            elif name == "dataloader" and not getattr(obj, GLOBAL_STATE, False):
                 wrapped[name] = BlobState(obj, f"dp{self.dp_rank}")
             else:
                 if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
@@ -476,7 +479,12 @@ class CheckpointManager:
             if not any(k.startswith(prefix) for k in keys):
                 skipped.append(f"{name} (not in checkpoint)")
                 continue
-            if name == "dataloader" and record.get("dp_world_size") != self.dp_world_size:
+            global_state = getattr(getattr(state, "inner", None), GLOBAL_STATE, False)
+            if (
+                name == "dataloader"
+                and not global_state
+                and record.get("dp_world_size") != self.dp_world_size
+            ):
                 (log.warning if self.rank == 0 else log.debug)(
                     "checkpoint was saved with %s data-parallel ranks, this job has %d: data loaders are not "
                     "restored and start from the beginning of their shards (set exclude_from_loading = "

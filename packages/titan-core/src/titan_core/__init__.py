@@ -48,6 +48,7 @@ from titan_core.memory import MemoryMonitor, MemoryStats
 from titan_core.parallel_dims import ParallelDims
 from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
+    GLOBAL_STATE,
     Checkpointer,
     Converter,
     DataSpec,
@@ -100,6 +101,7 @@ __all__ = [
     "RunFolderError",
     "Stateful",
     "StatefulLoader",
+    "GLOBAL_STATE",
     "TPPlan",
     "TPStyle",
     "Tokenizer",

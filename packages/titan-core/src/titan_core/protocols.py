@@ -198,7 +198,15 @@ class Tokenizer(Protocol):
 class StatefulLoader(Protocol):
     """An iterable of `(inputs, labels)` int64 batches of shape [batch, seq_len] that can be
     checkpointed: after `load_state_dict(sd)` a fresh loader yields exactly the batches that
-    followed when `sd` was taken."""
+    followed when `sd` was taken.
+
+    Optional, for a loader whose position is one position of the whole job in a global
+    sample order (titan-data's is): `merge_state_dicts(parts)` joins the `state_dict()` of
+    every data-parallel rank into that global position, which `load_state_dict` accepts on
+    any data-parallel layout. A trainer gathers the parts at save time and hands the
+    checkpointer an object whose `state_dict()` is the merged position on every rank and
+    which sets `state_is_global = True` (see `GLOBAL_STATE`); a checkpointer then stores one
+    copy and restores it whatever the data-parallel degree of the resumed job."""
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
@@ -207,12 +215,19 @@ class StatefulLoader(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+GLOBAL_STATE = "state_is_global"
+"""Attribute of a `Stateful` whose `state_dict()` is the same on every rank and fits any
+data-parallel layout (a loader's merged global position): checkpointers store it once and
+restore it when the data-parallel degree changed."""
+
+
 @dataclass(frozen=True)
 class DataSpec:
     """A data package, registered under the `titan.data` entry-point group.
 
     `build_tokenizer(name_or_path)` and `build_dataloader(...)` take plain arguments (see
-    titan-data's README for the keyword arguments the trainer passes).
+    titan-data's README for the keyword arguments the trainer passes; a trainer passes a
+    keyword a plugin's `build_dataloader` does not name only when it takes `**kwargs`).
     """
 
     name: str

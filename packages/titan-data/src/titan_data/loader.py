@@ -1,4 +1,6 @@
-"""Tokenize, pack and batch a document stream, with a state that resumes bit-exactly."""
+"""The loader a trainer iterates: one data-parallel rank's `(inputs, labels)` microbatches in the
+global sample order (order.py), made in this process or in worker processes (workers.py), with
+a state that is a position in that order, so that any layout can resume from it."""
 
 from __future__ import annotations
 
@@ -7,305 +9,243 @@ import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
-import datasets
+import numpy as np
 import torch
-from datasets.distributed import split_dataset_by_node
 
 from titan_core import Tokenizer, get_logger
-from titan_data.sources import (
-    BAD_ROW,
-    DataError,
-    Source,
-    check_source,
-    load_source,
-    missing_field_message,
-    scan_bad_rows,
-)
+from titan_data.batches import Plan, Position, check_streams, produce, slot_of
+from titan_data.errors import BAD_ROWS, SKIP_HINT, DataError
+from titan_data.mixture import parse_datasets
+from titan_data.order import Layout, Mixture
+from titan_data.sources import Source, check_source, load_source, scan_bad_rows
+from titan_data.token_shards import TokenShards
+from titan_data.workers import start_workers, worker_count
 
 log = get_logger("data")
 
-STATE_VERSION = 1
-_END = object()
-BAD_ROWS = ("error", "skip")
-_LOGGED_SKIPS = 5  # bad rows named in the log one by one; after that, every 1000th
+STATE_VERSION = 2
 
 
 class TitanDataLoader:
-    """Yields `(inputs, labels)` int64 tensors of shape [batch_size, seq_len].
+    """Yields `(inputs, labels)` int64 tensors of shape [batch_size, seq_len]: windows of
+    `seq_len + 1` tokens, `inputs = window[:-1]`, `labels = window[1:]`.
 
-    Each document is encoded as BOS + text + EOS and appended to a token stream; the stream is
-    cut into windows of seq_len + 1 tokens (a document continues into the next window), and a
-    window gives inputs = window[:-1], labels = window[1:]. The data-parallel rank reads only
-    its share of the documents.
-
-    The loader is one stream: every `iter()` continues where the previous one stopped, and
-    `state_dict()` describes the position after the last batch yielded. A fresh loader built
-    with the same arguments and given that state yields exactly the batches that followed.
-
-    A row that is not a text document (malformed JSON, invalid UTF-8, a missing or non-string
-    text field) raises `DataError` naming it with `bad_rows="error"`, or is skipped and counted
-    in `skipped_rows` with `bad_rows="skip"`. An epoch that yields no token is an error, never
-    an endless loop.
+    The loader is one stream: every `iter()` continues where the previous one stopped.
+    `state_dict()` is this rank's part of the position after the last batch yielded (the step,
+    the microbatch, the samples drawn from each source, and the packing streams this rank
+    reads); `merge_state_dicts` joins every data-parallel rank's part into the job's global
+    position, and `load_state_dict` takes either, on any data-parallel layout with the same
+    global batch: the run continues with exactly the global batches the uninterrupted one saw.
     """
 
     def __init__(
         self,
-        source: Source,
-        tokenizer: Tokenizer,
+        plan: Plan,
         *,
-        seq_len: int,
-        batch_size: int,
-        dp_rank: int = 0,
-        dp_world_size: int = 1,
-        infinite: bool = True,
-        bad_rows: Literal["error", "skip"] = "error",
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        pin_memory: bool = False,
     ):
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be >= 1")
-        if not 0 <= dp_rank < dp_world_size:
-            raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_world_size={dp_world_size})")
-        if bad_rows not in BAD_ROWS:
-            raise ValueError(f"bad_rows = {bad_rows!r}; use one of {', '.join(BAD_ROWS)}")
-        self.source = source
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
-        self.infinite = infinite
-        self.bad_rows = bad_rows
-        # Position in the stream; `state_dict` is exactly these fields.
-        self._epoch = 0
-        self._documents = 0  # documents read in this epoch, by this rank
-        self._epoch_tokens = 0  # tokens those documents gave
-        self._skipped = 0  # bad rows skipped, over the loader's whole life
-        self._batches = 0
-        self._tokens: list[int] = []  # tokens read but not yet batched start at _start
-        self._start = 0
-        self._dataset: datasets.IterableDataset | None = None
-        self._documents_iter: Iterator[dict] | None = None
-        self._resume_from: dict | None = None  # datasets' own state, applied at epoch start
+        self.plan = plan
+        self.layout = plan.layout
+        self.num_workers = worker_count(num_workers, plan.layout.batch_size)
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.position = Position(counts=[0] * len(plan.sources))
+        self.streams: dict[str, dict[str, Any]] = {}  # state of each stream this rank moved
+        self._mixture = Mixture(list(plan.weights))
+        self._groups: Iterator[list[dict[str, Any]]] | None = None
         self._exhausted = False
 
     # ------------------------------------------------------------------ iteration
 
-    def _open_epoch(self) -> None:
-        dataset = split_dataset_by_node(
-            self.source.build(), rank=self.dp_rank, world_size=self.dp_world_size
-        )
-        if self._resume_from is not None:
-            dataset.load_state_dict(self._resume_from)
-            self._resume_from = None
-        self._dataset = dataset
-        self._documents_iter = iter(dataset)
+    def _start(self) -> Iterator[list[dict[str, Any]]]:
+        start = copy.deepcopy(self.position)
+        streams = copy.deepcopy(self.streams)
+        if self.num_workers == 0:
+            items = produce(self.plan, start, streams, range(self.layout.batch_size))
+            return ([item] for item in items)
+        return start_workers(self.plan, start, streams, self.num_workers, self.prefetch_factor)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while not self._exhausted:
+            if self._groups is None:
+                self._groups = self._start()
+            group = next(self._groups, None)
+            if group is None:
+                self._exhausted = True  # a finite loader's last partial step is dropped
+                return
+            batch = self._assemble(group)
+            for item in group:
+                self.streams.update(item["streams"])
+            self._advance()
+            yield batch[:, :-1], batch[:, 1:]
+
+    def _assemble(self, group: list[dict[str, Any]]) -> torch.Tensor:
+        if len(group) == 1:
+            rows = group[0]["windows"]
+        else:  # worker w made positions w, w + W, ...: put its rows back there
+            rows = np.empty((self.layout.batch_size, self.plan.seq_len + 1), dtype=np.int64)
+            for w, item in enumerate(group):
+                rows[w :: len(group)] = item["windows"]
+        batch = torch.from_numpy(rows)
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def _advance(self) -> None:
+        p = self.position
+        p.micro += 1
+        if p.micro < self.layout.accumulation:
+            return
+        before = list(p.counts)
+        self._mixture.assign(p.counts, self.layout.global_batch)
+        p.step, p.micro = p.step + 1, 0
+        self._log_token_epochs(before, p.counts)
+
+    def _log_token_epochs(self, before: list[int], after: list[int]) -> None:
+        for j, src in enumerate(self.plan.sources):
+            if isinstance(src, TokenShards):
+                count = src.windows(self.plan.seq_len)
+                if after[j] // count > before[j] // count:
+                    log.info(
+                        "data: %s epoch %d ended after %s samples; starting epoch %d",
+                        src.name,
+                        before[j] // count,
+                        f"{count:,}",
+                        after[j] // count,
+                    )
+
+    def close(self) -> None:
+        """Stop the worker processes (if any); the next `iter()` starts them again from here."""
+        if self._groups is not None:
+            self._groups.close()
+            self._groups = None
 
     @property
     def skipped_rows(self) -> int:
-        """Rows skipped as not being documents (`bad_rows="skip"`), over the loader's life
-        (carried through `state_dict`)."""
-        return self._skipped
+        """Rows this rank's streams skipped as not being documents (`bad_rows="skip"`), over
+        the loader's life (carried through `state_dict`)."""
+        return sum(int(state["skipped"]) for state in self.streams.values())
 
-    def _read_document(self) -> bool:
-        """Append the next document's tokens; False when a finite loader has run out."""
-        if self._documents_iter is None:
-            self._open_epoch()
-        try:
-            row = next(self._documents_iter, _END)
-        except Exception as e:  # noqa: BLE001 - a reader's failure (pyarrow, network), named
-            first = str(e).strip().splitlines()
-            raise DataError(
-                f"dataset {self.source.name} ({self.source.description}): reading the document after"
-                f" number {self._documents} of epoch {self._epoch} on dp rank {self.dp_rank} failed:"
-                f" {type(e).__name__}: {first[0] if first else ''}"
-            ) from e
-        if row is _END:
-            if self._documents == 0:
-                raise DataError(self._empty_message())
-            if self._epoch_tokens == 0:
-                raise DataError(self._no_tokens_message())
-            if not self.infinite:
-                return False
-            log.info(
-                "data: %s epoch %d ended after %d documents on dp rank %d; starting epoch %d",
-                self.source.name,
-                self._epoch,
-                self._documents,
-                self.dp_rank,
-                self._epoch + 1,
-            )
-            self._epoch += 1
-            self._documents = 0
-            self._epoch_tokens = 0
-            self._dataset = self._documents_iter = None
-            return True
-        self._documents += 1
-        text = self._text_of(row)
-        if text:
-            tokens = self.tokenizer.encode(text, bos=True, eos=True)
-            self._tokens.extend(tokens)
-            self._epoch_tokens += len(tokens)
-        return True
-
-    def _text_of(self, row: dict) -> str | None:
-        """The row's text, or None for an empty document or a skipped bad row."""
-        bad = row.get(BAD_ROW)
-        if bad:
-            return self._bad_row(bad)
-        field = self.source.text_field
-        where = f"document {self._documents} of epoch {self._epoch} (dp rank {self.dp_rank})"
-        if field not in row:
-            return self._bad_row(f"{where}: {missing_field_message(self.source, row)}")
-        text = row[field]
-        if text is not None and not isinstance(text, str):
-            return self._bad_row(f"{where}: field {field!r} holds {type(text).__name__}, not text")
-        return text
-
-    def _bad_row(self, what: str) -> None:
-        if self.bad_rows == "error":
-            raise DataError(
-                f"dataset {self.source.name}: {what}\n"
-                'fix or remove the row, or set bad_rows = "skip" to skip such rows and count them'
-            )
-        self._skipped += 1
-        if self._skipped <= _LOGGED_SKIPS or self._skipped % 1000 == 0:
-            log.warning("data: skipped bad row %d: %s", self._skipped, what)
-        return None
-
-    def _no_tokens_message(self) -> str:
-        return (
-            f"dataset {self.source.name} ({self.source.description}) gave dp rank {self.dp_rank}"
-            f" {self._documents:,} documents and no token in a whole pass"
-            + (
-                f" ({self._skipped:,} bad rows skipped): no row was a text document"
-                if self._skipped >= self._documents
-                else (f" ({self._skipped:,} bad rows skipped)" if self._skipped else "")
-                + ": every document is empty; point it at data with text"
-            )
-        )
-
-    def _empty_message(self) -> str:
-        where = f"dataset {self.source.name} ({self.source.description})"
-        if self.dp_world_size > 1:
-            return (
-                f"{where} gave no documents to dp rank {self.dp_rank} of {self.dp_world_size}: "
-                "it is empty or has fewer documents (or files) than data-parallel ranks"
-            )
-        return f"{where} is empty"
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        window = self.seq_len + 1
-        while not self._exhausted:
-            if len(self._tokens) - self._start < window * self.batch_size:
-                # Drop consumed tokens before growing, so the list stays about one batch long.
-                del self._tokens[: self._start]
-                self._start = 0
-                while len(self._tokens) < window * self.batch_size:
-                    if not self._read_document():
-                        self._exhausted = True  # the tail shorter than one batch is dropped
-                        return
-            end = self._start + window * self.batch_size
-            batch = torch.tensor(self._tokens[self._start : end], dtype=torch.int64)
-            batch = batch.view(self.batch_size, window)
-            self._start = end
-            self._batches += 1
-            yield batch[:, :-1], batch[:, 1:]
+    @property
+    def tokens_by_source(self) -> dict[str, int]:
+        """Input tokens taken from each source by the whole job (every rank) up to the last
+        complete step, by label (see `titan_data.mixture`)."""
+        return {
+            label: count * self.plan.seq_len
+            for label, count in zip(self.plan.labels, self.position.counts)
+        }
 
     # ------------------------------------------------------------------ checkpointing
 
+    def _order(self) -> dict[str, Any]:
+        """What fixes the global sample order; a state only fits a loader with the same."""
+        order = {
+            "global_batch_size": self.layout.global_batch,
+            "seq_len": self.plan.seq_len,
+            "datasets": [getattr(s, "name", str(s)) for s in self.plan.sources],
+            "weights": list(self._mixture.weights),
+            "vocab_size": self.plan.tokenizer.vocab_size,
+        }
+        if any(isinstance(s, TokenShards) for s in self.plan.sources):
+            order["seed"] = self.plan.seed  # the order of a folder of tokens' windows
+        return order
+
     def state_dict(self) -> dict[str, Any]:
-        if self._dataset is not None:
-            dataset_state = self._dataset.state_dict()
-        else:  # between epochs, or resumed but not iterated yet
-            dataset_state = copy.deepcopy(self._resume_from)
+        """This rank's part of the global position (plain Python values)."""
         return {
             "version": STATE_VERSION,
-            "dataset": self.source.name,
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "dp_rank": self.dp_rank,
-            "dp_world_size": self.dp_world_size,
-            "vocab_size": self.tokenizer.vocab_size,
-            "epoch": self._epoch,
-            "documents": self._documents,
-            "epoch_tokens": self._epoch_tokens,
-            "skipped_rows": self._skipped,
-            "batches": self._batches,
-            "tokens": self._tokens[self._start :],
-            "source_state": dataset_state,
+            "order": self._order(),
+            "step": self.position.step,
+            "micro": self.position.micro,
+            "counts": list(self.position.counts),
+            "layout": {
+                "batch_size": self.layout.batch_size,
+                "dp_world_size": self.layout.dp_world_size,
+            },
             "exhausted": self._exhausted,
+            "streams": {key: _plain(state) for key, state in sorted(self.streams.items())},
         }
 
+    def merge_state_dicts(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The job's global position from every data-parallel rank's `state_dict()`."""
+        merged = copy.deepcopy(parts[0])
+        shared = ("version", "order", "step", "micro", "counts", "layout", "exhausted")
+        for rank, part in enumerate(parts[1:], 1):
+            differ = [k for k in shared if part.get(k) != merged.get(k)]
+            if differ:
+                raise ValueError(
+                    f"data loader states disagree between data-parallel ranks 0 and {rank} on"
+                    f" {', '.join(differ)}: the ranks did not take the same number of batches"
+                )
+            merged["streams"].update(copy.deepcopy(part["streams"]))
+        return merged
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from `state_dict`; the loader must be built with the same dataset,
-        tokenizer, sequence length, batch size and data-parallel layout."""
-        expected = {
-            "version": STATE_VERSION,
-            "dataset": self.source.name,
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "dp_rank": self.dp_rank,
-            "dp_world_size": self.dp_world_size,
-            "vocab_size": self.tokenizer.vocab_size,
+        """Resume from a state of this loader, merged or not, saved on any data-parallel layout
+        with the same global sample order (global batch size, seq_len, datasets and weights,
+        tokenizer; the seed for folders of tokens). A state saved in the middle of a step needs
+        the layout it was saved with."""
+        self._check_fits(state_dict)
+        mine = set(self.layout.slots())
+        self.position = Position(
+            int(state_dict["step"]), int(state_dict["micro"]), list(state_dict["counts"])
+        )
+        self.streams = {
+            key: copy.deepcopy(state)
+            for key, state in state_dict["streams"].items()
+            if slot_of(key) in mine
         }
+        self._exhausted = bool(state_dict["exhausted"])
+        self.close()  # workers (if any) start again from here at the next batch
+
+    def _check_fits(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"data loader state version {state.get('version')!r} (this loader:"
+                f" {STATE_VERSION}): it was saved by an older titan-data, whose position was"
+                " per data-parallel rank and cannot be placed in the global order; set"
+                ' [checkpoint] exclude_from_loading = ["dataloader"] to start the data afresh'
+            )
+        saved, now = state["order"], self._order()
         wrong = [
-            f"{key} {state_dict.get(key)!r} (this loader: {value!r})"
-            for key, value in expected.items()
-            if state_dict.get(key) != value
+            f"{key} {saved.get(key)!r} (this loader: {value!r})"
+            for key, value in now.items()
+            if saved.get(key) != value
         ]
         if wrong:
             raise ValueError(
                 "data loader state does not fit this loader: it was saved with "
                 + ", ".join(wrong)
-                + "; resume with the settings it was saved with, or start the data afresh"
+                + "; these fix the order of the samples, so resume with the values it was saved"
+                " with (keep the global batch size when the data-parallel degree changes), or"
+                " start the data afresh"
             )
-        self._epoch = int(state_dict["epoch"])
-        self._documents = int(state_dict["documents"])
-        # Absent from states saved before these were counted: count afresh.
-        self._epoch_tokens = int(state_dict.get("epoch_tokens", 1))
-        self._skipped = int(state_dict.get("skipped_rows", 0))
-        self._batches = int(state_dict["batches"])
-        self._tokens = list(state_dict["tokens"])
-        self._start = 0
-        self._resume_from = copy.deepcopy(state_dict["source_state"])
-        self._dataset = self._documents_iter = None
-        self._exhausted = bool(state_dict["exhausted"])
+        layout = {"batch_size": self.layout.batch_size, "dp_world_size": self.layout.dp_world_size}
+        if state["micro"] and state["layout"] != layout:
+            raise ValueError(
+                f"data loader state was saved after microbatch {state['micro']} of a step with"
+                f" {state['layout']}; this loader has {layout}: only a state saved between steps"
+                " resumes on another layout"
+            )
 
     def __repr__(self) -> str:
+        names = ", ".join(
+            f"{label}:{w:.3g}" for label, w in zip(self.plan.labels, self._mixture.weights)
+        )
         return (
-            f"TitanDataLoader({self.source.name}: {self.source.description}, "
-            f"seq_len={self.seq_len}, batch_size={self.batch_size}, "
-            f"dp {self.dp_rank}/{self.dp_world_size}, infinite={self.infinite}, "
-            f"bad_rows={self.bad_rows})"
+            f"TitanDataLoader({names}, seq_len={self.plan.seq_len},"
+            f" batch_size={self.layout.batch_size}, global_batch_size={self.layout.global_batch},"
+            f" dp {self.layout.dp_rank}/{self.layout.dp_world_size},"
+            f" workers={self.num_workers}, infinite={self.plan.infinite},"
+            f" bad_rows={self.plan.bad_rows})"
         )
 
 
-def check_fills_a_batch(loader: TitanDataLoader) -> None:
-    """Raise DataError unless one pass over `loader`'s share of the data fills one batch.
-
-    Reads from the beginning, in a loader of its own, only as far as one batch: a source that
-    is empty, holds only empty documents, or is too small would otherwise make an infinite
-    loader cycle through epochs without ever yielding a batch."""
-    probe = TitanDataLoader(
-        loader.source,
-        loader.tokenizer,
-        seq_len=loader.seq_len,
-        batch_size=loader.batch_size,
-        dp_rank=loader.dp_rank,
-        dp_world_size=loader.dp_world_size,
-        infinite=False,
-        bad_rows=loader.bad_rows,
-    )
-    if next(iter(probe), None) is not None:
-        return
-    need = loader.batch_size * (loader.seq_len + 1)
-    skipped = f", {probe.skipped_rows:,} bad rows skipped" if probe.skipped_rows else ""
-    raise DataError(
-        f"dataset {loader.source.name} ({loader.source.description}) gives dp rank"
-        f" {loader.dp_rank} of {loader.dp_world_size} {len(probe._tokens):,} tokens in a whole pass"
-        f" ({probe._documents:,} documents{skipped}), fewer than one batch needs: batch_size"
-        f" {loader.batch_size} x (seq_len {loader.seq_len} + 1) = {need:,}\n"
-        "use more data, or a smaller seq_len or batch size"
-    )
+def _plain(state: dict[str, Any]) -> dict[str, Any]:
+    """A stream state with its token buffer as a list of ints (checkpoints keep plain values)."""
+    out = dict(state)
+    out["buffer"] = np.asarray(state["buffer"], dtype=np.int64).tolist()
+    return out
 
 
 def build_dataloader(
@@ -320,43 +260,71 @@ def build_dataloader(
     infinite: bool = True,
     text_field: str = "text",
     bad_rows: Literal["error", "skip"] = "error",
+    global_batch_size: int | None = None,
+    num_workers: int = 0,
+    prefetch_factor: int = 2,
+    pin_memory: bool = False,
+    seed: int = 0,
 ) -> TitanDataLoader:
     """A checkpointable loader of packed `(inputs, labels)` batches for one data-parallel rank.
 
-    `dataset`/`dataset_path` take the forms listed in `titan_data.sources`; `text_field` is the
-    column holding the text in jsonl/parquet/hub data. With `infinite` (the default) the data
-    repeats in the same order, epoch after epoch; otherwise iteration stops when this rank's
-    share runs out (the last partial batch is dropped).
+    `dataset` (+ `dataset_path`) names one dataset in the forms `titan_data.sources` lists, or a
+    weighted mixture (`titan_data.mixture`); `text_field` is the column holding the text in
+    jsonl/parquet/hub data. `global_batch_size` (samples per optimizer step over all ranks;
+    default `batch_size x dp_world_size`) fixes the global sample order together with the
+    datasets, `seq_len`, the tokenizer and `seed`; a rank yields `global_batch_size /
+    (batch_size x dp_world_size)` microbatches per step. `num_workers` processes make the
+    batches (0: this process), each keeping `prefetch_factor` ready. With `infinite` (the
+    default) the data repeats, epoch after epoch; otherwise iteration stops at the end of the
+    data (the last partial step is dropped).
 
-    Checked here, before any batch: the source is not empty, its first row has the text field,
-    this rank's share fills at least one batch, and (with `bad_rows="error"`) every row of
-    local jsonl/json/text files is a text document; a bad one raises DataError naming file and
-    line. With `bad_rows="skip"` bad rows are skipped and counted (`skipped_rows`).
+    Checked here, before any batch: every source exists and is not empty, its first row has the
+    text field, every packing stream this rank reads fills one sample, folders of tokens are
+    complete and made by `tokenizer`, and (with `bad_rows="error"`) every row of local
+    jsonl/json/text files is a text document; a bad one raises DataError naming file and line.
+    With `bad_rows="skip"` bad rows are skipped and counted (`skipped_rows`).
     """
-    source = load_source(dataset, dataset_path, text_field)
-    check_source(source)
-    if bad_rows == "error" and source.files:
-        start = time.perf_counter()
-        rows, bad = scan_bad_rows(source)
-        if bad:
-            raise DataError(
-                f"dataset {source.name}: {bad}\n"
-                'fix or remove the row, or set bad_rows = "skip" to skip such rows and count them'
-            )
-        seconds = time.perf_counter() - start
-        if seconds > 1:
-            log.info(
-                "data: checked %s rows of %s in %.1fs", f"{rows:,}", source.description, seconds
-            )
-    loader = TitanDataLoader(
-        source,
-        tokenizer,
+    if seq_len < 1:
+        raise ValueError(f"seq_len ({seq_len}) must be >= 1")
+    if bad_rows not in BAD_ROWS:
+        raise ValueError(f"bad_rows = {bad_rows!r}; use one of {', '.join(BAD_ROWS)}")
+    if global_batch_size is None or global_batch_size == -1:
+        global_batch_size = batch_size * dp_world_size
+    layout = Layout(global_batch_size, batch_size, dp_rank, dp_world_size)
+    entries = parse_datasets(dataset, dataset_path)
+    sources = []
+    for entry in entries:
+        source = load_source(entry.dataset, entry.dataset_path, text_field)
+        check_source(source)
+        if bad_rows == "error" and isinstance(source, Source):
+            check_rows(source)
+        sources.append(source)
+    plan = Plan(
+        sources=sources,
+        labels=[e.label for e in entries],
+        weights=[e.weight for e in entries],
+        tokenizer=tokenizer,
         seq_len=seq_len,
-        batch_size=batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        infinite=infinite,
+        layout=layout,
         bad_rows=bad_rows,
+        infinite=infinite,
+        seed=seed,
     )
-    check_fills_a_batch(loader)
-    return loader
+    check_streams(plan)
+    return TitanDataLoader(
+        plan, num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory
+    )
+
+
+def check_rows(source: Source) -> None:
+    """Every row of `source`'s local files is a text document, or DataError names the first
+    that is not (file and line)."""
+    if not source.files:
+        return
+    start = time.perf_counter()
+    rows, bad = scan_bad_rows(source)
+    if bad:
+        raise DataError(f"dataset {source.name}: {bad}\n{SKIP_HINT}")
+    seconds = time.perf_counter() - start
+    if seconds > 1:
+        log.info("data: checked %s rows of %s in %.1fs", f"{rows:,}", source.description, seconds)

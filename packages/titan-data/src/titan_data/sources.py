@@ -1,5 +1,6 @@
-"""Where documents come from: a dataset name and an optional local path, turned into a
-Hugging Face `IterableDataset` with a text column.
+"""Where documents come from: a dataset name and an optional local path, turned into a `Source`
+whose readers give the documents of one packing stream (see `titan_data.readers`), or into the
+`TokenShards` of a folder that `titan-data tokenize` wrote.
 
 Forms of `dataset` (with `dataset_path`):
 - `pydocs`: the embedded corpus's training split (see `titan_data.pydocs`); no path.
@@ -11,29 +12,31 @@ Forms of `dataset` (with `dataset_path`):
   local copy.
 - a local file, folder or glob of jsonl/json, parquet or plain-text files, or one of the
   format names `jsonl`, `json`, `parquet`, `text` with the files in `dataset_path`.
+- a folder written by `titan-data tokenize` (it holds `titan-tokens.json`): token ids, read
+  by memory map.
 
 Local jsonl/json and text files are read line by line here rather than by pyarrow, so that a
 row that is not a text document (malformed JSON, invalid UTF-8, a missing or non-string text
-field) is a row of its own, named by file and line (`BAD_ROW` says why), which the loader
-can refuse or skip; and so that all of them can be found before training (`scan_bad_rows`).
+field) is a row of its own, named by file and line, which the loader can refuse or skip; and
+so that all of them can be found before training (`scan_bad_rows`).
 """
 
 from __future__ import annotations
 
-import bz2
 import functools
 import glob
-import gzip
-import io
-import json
-import lzma
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import datasets
-
+from titan_data.errors import DataError
 from titan_data.pydocs import pydocs_documents
+from titan_data.readers import DatasetsReader, LineReader, ListReader, Reader, ReadError
+from titan_data.token_shards import TokenShards, is_token_folder
+
+if TYPE_CHECKING:
+    import datasets
 
 
 @dataclass(frozen=True)
@@ -60,30 +63,27 @@ ACCEPTED = (
     f"known names: {', '.join([*EMBEDDED, *HUB_DATASETS])}; a hub dataset as owner/name; "
     "a local file, folder or glob of "
     f"{'/'.join(sorted({e.split('.')[1] for e in EXTENSIONS}))} files (optionally compressed); "
-    f"or a format name ({', '.join(FORMAT_NAMES)}) with the files in dataset_path"
+    f"a format name ({', '.join(FORMAT_NAMES)}) with the files in dataset_path; a folder"
+    " written by `titan-data tokenize`; or a weighted mixture DATASET[=PATH][:WEIGHT],..."
 )
-
-
-class DataError(ValueError):
-    """The data cannot make batches: a bad row, too few tokens, or a source that fails to read."""
-
-
-BAD_ROW = "titan_bad_row"
-"""Column that the line readers set, instead of the text, on a row that is not a document:
-`file:line: what is wrong`."""
 
 
 @dataclass(frozen=True)
 class Source:
-    """A dataset ready to stream: `build()` returns a fresh, unsharded `IterableDataset`
-    (a fresh one per epoch, so no iteration state leaks between epochs or loaders).
-    `files` lists the local files it reads line by line (those `scan_bad_rows` checks)."""
+    """A dataset of text documents, ready to read: `open(slot, slots)` returns a reader of the
+    documents of packing stream `slot` of `slots` (see `titan_data.readers`; `open(0, 1)`
+    reads every document once). `files` lists the local files read line by line (those
+    `scan_bad_rows` checks); `build()`, for sources that Hugging Face `datasets` reads (hub
+    datasets, parquet), returns a fresh, unsharded `IterableDataset`."""
 
     name: str
     description: str
     text_field: str
-    build: Callable[[], datasets.IterableDataset]
+    open: Callable[[int, int], Reader]
     files: tuple[str, ...] = ()
+    line_format: str | None = None
+    """`json` or `text` for local files read line by line."""
+    build: Callable[[], datasets.IterableDataset] | None = None
 
 
 def _format_of(path: str) -> str | None:
@@ -109,7 +109,7 @@ def _local_files(spec: str) -> list[str]:
         if not found:
             raise FileNotFoundError(
                 f"dataset folder {spec} holds no data files; accepted extensions: "
-                f"{', '.join(EXTENSIONS)}"
+                f"{', '.join(EXTENSIONS)} (or tokens made by `titan-data tokenize`)"
             )
         return found
     if glob.has_magic(spec):
@@ -143,107 +143,27 @@ def _local_source(name: str, spec: str, text_field: str, fmt: str | None = None)
     if fmt == "parquet":
 
         def build() -> datasets.IterableDataset:
+            import datasets  # noqa: PLC0415 - see _hub_source
+
             return datasets.load_dataset(fmt, data_files=files, split="train", streaming=True)
 
-        return Source(name, description, text_field, build)
-    # One shard per file, so that data-parallel ranks split them as before; rows carry "text".
-    reader = _json_rows if fmt == "json" else _text_rows
+        return _datasets_source(name, description, text_field, build)
 
-    def build_lines() -> datasets.IterableDataset:
-        return datasets.IterableDataset.from_generator(
-            reader, gen_kwargs={"files": files, "text_field": text_field}
+    def open_lines(slot: int, slots: int) -> LineReader:
+        return LineReader(files, fmt, text_field, slot, slots)
+
+    return Source(name, description, text_field, open_lines, tuple(files), fmt)
+
+
+def _datasets_source(
+    name: str, description: str, text_field: str, build: Callable[[], datasets.IterableDataset]
+) -> Source:
+    def open_rows(slot: int, slots: int) -> DatasetsReader:
+        return DatasetsReader(
+            build, text_field, slot, slots, describe=lambda: f"dataset {name} ({description})"
         )
 
-    return Source(name, description, "text", build_lines, tuple(files))
-
-
-def _open(path: str) -> io.BufferedIOBase:
-    lower = path.lower()
-    if lower.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if lower.endswith(".bz2"):
-        return bz2.open(path, "rb")
-    if lower.endswith(".xz"):
-        return lzma.open(path, "rb")
-    if lower.endswith(".zst"):
-        try:
-            import zstandard  # noqa: PLC0415 - optional, only for .zst files
-        except ImportError:
-            raise ImportError(
-                f"reading {path} needs the zstandard package: pip install zstandard"
-            ) from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
-    return open(path, "rb")
-
-
-def _bad(path: str, line: int, why: str) -> dict:
-    return {"text": None, BAD_ROW: f"{path}:{line}: {why}"}
-
-
-def _document(path: str, line: int, row: object, text_field: str) -> dict:
-    if not isinstance(row, dict):
-        return _bad(
-            path, line, f"a JSON {type(row).__name__}, not an object with a {text_field!r} field"
-        )
-    if text_field not in row:
-        found = ", ".join(map(repr, row)) or "none"
-        return _bad(path, line, f"has no field {text_field!r}; fields found: {found}")
-    text = row[text_field]
-    if text is not None and not isinstance(text, str):
-        return _bad(path, line, f"field {text_field!r} holds {type(text).__name__}, not text")
-    return {"text": text, BAD_ROW: None}
-
-
-def _json_rows(files: list[str], text_field: str) -> Iterator[dict]:
-    """Documents of JSON-lines files (or of `.json` files holding one list of objects), one
-    row per line; a line that is not a document gives a `BAD_ROW` row naming file and line."""
-    for path in files:
-        with _open(path) as f:
-            head = f.peek(64)[:64].lstrip() if hasattr(f, "peek") else b""
-            if head.startswith(b"["):
-                yield from _json_list_rows(path, f.read(), text_field)
-                continue
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield _bad(path, number, f"invalid UTF-8 at byte {e.start + 1} of the line")
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    why = e.msg.removesuffix(" at")
-                    yield _bad(path, number, f"malformed JSON ({why} at column {e.colno})")
-                    continue
-                yield _document(path, number, row, text_field)
-
-
-def _json_list_rows(path: str, data: bytes, text_field: str) -> Iterator[dict]:
-    try:
-        rows = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        yield _bad(path, data.count(b"\n", 0, e.start) + 1, "invalid UTF-8")
-        return
-    except json.JSONDecodeError as e:
-        yield _bad(
-            path, e.lineno, f"malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
-        )
-        return
-    for i, row in enumerate(rows, 1):
-        yield _document(f"{path} element", i, row, text_field)
-
-
-def _text_rows(files: list[str], text_field: str) -> Iterator[dict]:
-    """One document per plain-text file."""
-    for path in files:
-        with _open(path) as f:
-            data = f.read()
-        try:
-            yield {"text": data.decode("utf-8"), BAD_ROW: None}
-        except UnicodeDecodeError as e:
-            yield _bad(path, data.count(b"\n", 0, e.start) + 1, "invalid UTF-8")
+    return Source(name, description, text_field, open_rows, build=build)
 
 
 def scan_bad_rows(source: Source) -> tuple[int, str | None]:
@@ -252,16 +172,17 @@ def scan_bad_rows(source: Source) -> tuple[int, str | None]:
     if not source.files:
         return 0, None
     stamps = tuple((f, os.path.getsize(f), os.path.getmtime(f)) for f in source.files)
-    return _scan(stamps, source.text_field, source.build)
+    return _scan(stamps, source.text_field, source.line_format)
 
 
 @functools.lru_cache(maxsize=32)
-def _scan(stamps: tuple, text_field: str, build: Callable) -> tuple[int, str | None]:
+def _scan(stamps: tuple, text_field: str, fmt: str) -> tuple[int, str | None]:
     rows = 0
-    for row in build():
+    reader = LineReader([f for f, _, _ in stamps], fmt, text_field, 0, 1)
+    while (row := reader.next()) is not None:
         rows += 1
-        if row.get(BAD_ROW):
-            return rows, row[BAD_ROW]
+        if row.bad:
+            return rows, row.bad
     return rows, None
 
 
@@ -275,6 +196,10 @@ def _hub_source(name: str, hub: HubDataset, local_copy: str | None) -> Source:
     location = local_copy or hub.path
 
     def build() -> datasets.IterableDataset:
+        # Imported here: `datasets` takes seconds to import, and sources that do not use it
+        # (the embedded corpus, local jsonl/text, tokens) start without it.
+        import datasets  # noqa: PLC0415
+
         config = hub.config
         if local_copy is not None and config is not None:
             # A folder of bare data files has only the "default" config; a clone of the
@@ -285,17 +210,16 @@ def _hub_source(name: str, hub: HubDataset, local_copy: str | None) -> Source:
 
     what = f"{hub.path}" + (f" ({hub.config})" if hub.config else "") + f" split {hub.split}"
     where = f"local copy {local_copy}" if local_copy else "Hugging Face hub, streaming"
-    return Source(name, f"{what} from {where}", hub.text_field, build)
+    return _datasets_source(name, f"{what} from {where}", hub.text_field, build)
 
 
 def _pydocs_source(name: str) -> Source:
     split = EMBEDDED[name]
 
-    def build() -> datasets.IterableDataset:
-        table = datasets.Dataset.from_dict({"text": list(pydocs_documents(split))})
-        return table.to_iterable_dataset(num_shards=1)
+    def open_list(slot: int, slots: int) -> ListReader:
+        return ListReader(pydocs_documents(split), slot, slots)
 
-    return Source(name, f"embedded Python documentation, {split} split", "text", build)
+    return Source(name, f"embedded Python documentation, {split} split", "text", open_list)
 
 
 def _looks_like_path(dataset: str) -> bool:
@@ -307,9 +231,24 @@ def _looks_like_path(dataset: str) -> bool:
     )
 
 
-def load_source(dataset: str, dataset_path: str | None = None, text_field: str = "text") -> Source:
-    """Resolve `dataset` (+ `dataset_path`) to a `Source`; the module docstring lists the
-    forms. Raises ValueError or FileNotFoundError saying what was given and what is accepted."""
+def load_source(
+    dataset: str, dataset_path: str | None = None, text_field: str = "text"
+) -> Source | TokenShards:
+    """Resolve `dataset` (+ `dataset_path`) to a `Source`, or to `TokenShards` for a folder of
+    tokens; the module docstring lists the forms. Raises ValueError or FileNotFoundError saying
+    what was given and what is accepted."""
+    if dataset_path is not None and is_token_folder(dataset_path):
+        raise ValueError(
+            f"dataset_path {dataset_path} is a folder of tokens; name it as the dataset itself"
+            f" (dataset = {dataset_path!r}, no dataset_path)"
+        )
+    if is_token_folder(dataset):
+        if dataset_path is not None:
+            raise ValueError(
+                f"dataset {dataset} is a folder of tokens, so dataset_path ({dataset_path})"
+                " would be ignored; set only one of them"
+            )
+        return TokenShards(dataset)
     if dataset in EMBEDDED:
         if dataset_path is not None:
             raise ValueError(
@@ -338,34 +277,20 @@ def load_source(dataset: str, dataset_path: str | None = None, text_field: str =
     raise ValueError(f"unknown dataset {dataset!r}; {ACCEPTED}")
 
 
-def missing_field_message(source: Source, row: dict) -> str:
-    found = ", ".join(map(repr, row)) or "none"
-    return (
-        f"dataset {source.name} ({source.description}) has no field {source.text_field!r}; "
-        f"fields found: {found}; set text_field to the field that holds the text"
-    )
-
-
-def check_source(source: Source) -> None:
-    """Read the first document, so that an empty dataset or a wrong text field fails when the
-    loader is built rather than at the first training step."""
+def check_source(source: Source | TokenShards) -> None:
+    """Read the first document (or a token folder's index), so that an empty dataset or a wrong
+    text field fails when the loader is built rather than at the first training step."""
+    if isinstance(source, TokenShards):
+        source.check()
+        return
     try:
-        first = next(iter(source.build()), None)
-    except StopIteration:  # `datasets` lets this escape when a json file is empty
-        first = None
-    except Exception as e:  # noqa: BLE001 - pyarrow and friends: say which dataset, in one line
-        text = str(e).strip().splitlines()
-        raise DataError(
-            f"dataset {source.name} ({source.description}): reading its first rows failed:"
-            f" {type(e).__name__}: {text[0] if text else ''}"
-        ) from e
+        first = source.open(0, 1).next()
+    except ReadError as e:
+        raise DataError(str(e)) from e
     if first is None:
         raise DataError(f"dataset {source.name} ({source.description}) is empty")
-    if source.text_field not in first:
-        raise DataError(missing_field_message(source, first))
-    bad = first.get(BAD_ROW)
-    if bad and ": has no field " in bad:  # on the first row: most likely the wrong text_field
+    if first.bad and ": has no field " in first.bad:  # on the first row: most likely the field
         raise DataError(
-            f"dataset {source.name} ({source.description}): {bad}; "
+            f"dataset {source.name} ({source.description}): {first.bad}; "
             "set text_field to the field that holds the text"
         )

@@ -88,16 +88,24 @@ class Pipeline:
     has_last: bool
     """This rank runs the last stage: it computes the loss."""
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
+    ) -> torch.Tensor | None:
         """Forward and backward over all microbatches of one local batch.
 
         Returns the mean loss over the local batch on a rank with the last stage and None
         elsewhere (see `broadcast_pipeline_loss`). Gradients accumulate into the parameters.
+        `kwargs` (batch-sized tensors, e.g. `document_ids`) are cut into microbatches like the
+        inputs and given to every stage's forward.
         """
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (inputs,) if self.has_first else ()
         self.schedule.step(
-            *args, target=labels if self.has_last else None, losses=losses, return_outputs=False
+            *args,
+            target=labels if self.has_last else None,
+            losses=losses,
+            return_outputs=False,
+            **kwargs,
         )
         if losses is None:
             return None

@@ -1,8 +1,9 @@
 """Llama 3.1, written for reading and for parallelism.
 
 Structure: `tok_embeddings` -> `layers` ("0".."n-1", each RMSNorm -> attention -> residual,
-RMSNorm -> SwiGLU -> residual) -> `norm` -> `output`. Attention is grouped-query, causal,
-through `F.scaled_dot_product_attention`; rotary embeddings come from a non-persistent buffer
+RMSNorm -> SwiGLU -> residual) -> `norm` -> `output`. Attention is grouped-query, causal, or
+block-causal over packed documents when `forward` gets `document_ids` (see
+`titan_models.attention`); rotary embeddings come from a non-persistent buffer
 `rope_cache` owned by the root (see `rope.py`). Nothing is global: a module's behaviour depends
 only on its `LlamaArgs`.
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from titan_core.init import ParamInit, init_from_plan_
 from titan_core.protocols import TPPlan
+from titan_models.attention import AttentionMask, attend, build_attention_mask
 from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.llama3.args import LlamaArgs
 from titan_models.llama3.flops import llama_flops_per_token
@@ -76,9 +78,11 @@ class Attention(nn.Module):
         rope_cache: torch.Tensor,
         kv_cache: LayerCache | None = None,
         start: int = 0,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         """`rope_cache` holds the rows of x's positions. With `kv_cache` (generation), x's
-        positions start at `start` and attend to the cached ones before them too."""
+        positions start at `start` and attend to the cached ones before them too. `mask`
+        (training on packed documents) makes the attention block-causal."""
         batch, seq_len, _ = x.shape
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
@@ -86,16 +90,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         if kv_cache is not None:
             k, v = kv_cache.update(start, k, v)
-        # [batch, heads, seq, head_dim]; kv head i serves query heads i*n_rep .. (i+1)*n_rep-1.
+        # [batch, heads, seq, head_dim]; kv head i serves query heads i*n_rep .. (i+1)*n_rep-1,
+        # which the attention kernels read in place (no repeated copy of k and v).
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
         if kv_cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = attend(q, k, v, mask)
         else:
-            mask = causal_mask(start, seq_len, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            cached = causal_mask(start, seq_len, x.device)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=cached, enable_gqa=self.n_rep > 1
+            )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -133,8 +137,9 @@ class TransformerBlock(nn.Module):
         rope_cache: torch.Tensor,
         kv_cache: LayerCache | None = None,
         start: int = 0,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start)
+        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -215,14 +220,21 @@ class Transformer(nn.Module):
         if missing:
             raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
 
-    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits of every position of `tokens`. With `kv_cache` (generation, see
         `titan_models.generation`) the tokens continue the positions the cache holds, and
-        their keys and values join it."""
+        their keys and values join it. With `document_ids` (`[batch, seq]`, see
+        `titan_models.attention`) a position attends only within its own document."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if kv_cache is None:
+            mask = build_attention_mask(document_ids)
             for block in self.layers.values():
-                h = block(h, self.rope_cache)
+                h = block(h, self.rope_cache, mask=mask)
         else:
             start, seq_len = kv_cache.pos, tokens.shape[1]
             kv_cache.check_room(seq_len)

@@ -16,6 +16,7 @@ from torch import nn
 
 from titan_core.init import ParamInit, init_from_plan_
 from titan_core.protocols import TPPlan
+from titan_models.attention import AttentionMask, attend, build_attention_mask
 from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.moe import MoE, SwiGLU
 from titan_models.qwen3.args import Qwen3Args
@@ -99,6 +100,7 @@ class Attention(nn.Module):
         rope_cache: torch.Tensor,
         kv_cache: LayerCache | None = None,
         start: int = 0,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         q = self.q_norm(self.wq(x).view(batch, seq_len, -1, self.head_dim))
@@ -112,7 +114,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
         if kv_cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = attend(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=causal_mask(start, seq_len, x.device)
@@ -135,8 +137,15 @@ class TransformerBlock(nn.Module):
     def init_plan(self) -> dict[str, ParamInit]:
         return block_init_plan(self.layer_id, self.args)
 
-    def forward(self, x, rope_cache, kv_cache: LayerCache | None = None, start: int = 0):
-        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start)
+    def forward(
+        self,
+        x,
+        rope_cache,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
+        mask: AttentionMask | None = None,
+    ):
+        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -203,11 +212,19 @@ class Qwen3Transformer(nn.Module):
         if missing:
             raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
 
-    def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (see Llama's `Transformer.forward`; `document_ids` makes the attention
+        block-causal over packed documents)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if kv_cache is None:
+            mask = build_attention_mask(document_ids)
             for block in self.layers.values():
-                h = block(h, self.rope_cache)
+                h = block(h, self.rope_cache, mask=mask)
         else:
             start, seq_len = kv_cache.pos, tokens.shape[1]
             kv_cache.check_room(seq_len)
