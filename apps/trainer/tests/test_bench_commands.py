@@ -1,10 +1,15 @@
 """The benchmark commands users run: `uv run nox -s bench-gpu` refuses clearly on a machine
 without a GPU, and its parts (throughput with the step breakdown, Float8, checkpoints) run end
-to end at toy sizes (`--smoke`) into the one JSON file the GPU run writes."""
+to end at toy sizes (`--smoke`) into the one JSON file the GPU run writes; `uv run nox -s bench`
+reaches every CPU script; bench/README.md's throughput commands run as shown, with toy sizes
+appended (argparse keeps the last value of a flag)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +64,79 @@ def test_bench_gpu_smoke_runs_every_part_into_one_file(tmp_path):
     assert {"sync_save_s", "async_blocking_s", "load_s"} <= metrics
     (float8,) = parts["float8"]["records"]
     assert float8.get("skipped") is (not torch.cuda.is_available())
+
+
+def test_nox_bench_runs_every_cpu_script(tmp_path):
+    # `--` passes `--help` on to each script: every one is reached and parses its flags, without
+    # the minutes the measurements themselves take.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nox",
+            "-f",
+            str(REPO / "noxfile.py"),
+            "-s",
+            "bench",
+            "--",
+            "--help",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    scripts = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "gpu.py")
+    usages = re.findall(r"usage: (\S+\.py)", said)
+    assert sorted(usages) == scripts, usages
+
+
+TOY = ["--seq-len", "64", "--batch-size", "2", "--steps", "2", "--warmup", "1"]
+
+
+def _bench_readme_commands(script: str) -> list[str]:
+    text = (REPO / "bench" / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [
+        line.strip()
+        for block in blocks
+        for line in block.splitlines()
+        if line.startswith(f"uv run python bench/{script}")
+    ]
+
+
+def test_bench_readme_throughput_commands_run_at_toy_sizes():
+    commands = _bench_readme_commands("throughput.py")
+    assert len(commands) == 3, commands
+    for command in commands:
+        argv = shlex.split(command)
+        assert argv[:3] == ["uv", "run", "python"]
+        done = subprocess.run(
+            [sys.executable, *argv[3:], *TOY],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert done.returncode == 0, command + "\n" + done.stderr[-3000:]
+        records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        flags = dict(zip(argv[3::1], argv[4::1]))
+        variants = flags.get("--variants", "default").split(";")
+        assert [r["variant"] for r in records] == variants, command
+        for record in records:
+            assert record["flavor"] == flags["--flavors"]
+            assert record["dtype"] == flags["--dtype"]
+            assert (record["seq_len"], record["batch_size"], record["steps_timed"]) == (64, 2, 2)
+            assert record["mfu_pct"] > 0 and record["tokens_per_s"] > 0
+            assert set(record["breakdown_s"]) == {
+                "data",
+                "forward",
+                "backward",
+                "optimizer",
+                "logging",
+            }
+        if len(records) == 2:  # side by side: the second carries its ratio to the first
+            assert records[1]["step_time_over_first_variant"] > 0

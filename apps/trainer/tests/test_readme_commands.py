@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-READMES = (REPO / "README.md", REPO / "apps/trainer/README.md")
+READMES = (REPO / "README.md", REPO / "apps/trainer/README.md", REPO / "bench/README.md")
 
 MAIN_JOB = "uv run titan-train --job.config_file apps/trainer/configs/debug_model.toml"
 SHORT_JOB = f"{MAIN_JOB} --training.steps 20"
@@ -115,6 +115,26 @@ RUN_ELSEWHERE = {
         ],
         "apps/trainer/tests/test_fault_tolerance_e2e.py::"
         "test_with_every_group_required_the_run_ends_as_if_nothing_failed",
+    ),
+    # bench/README.md: the GPU command refuses here; the CPU session runs every script; the
+    # throughput commands run as shown with toy sizes appended (the full ones take minutes).
+    "uv run nox -s bench-gpu": (
+        "apps/trainer/tests/test_bench_commands.py::"
+        "test_bench_gpu_without_a_gpu_says_so_and_fails_without_writing_a_file"
+    ),
+    "uv run nox -s bench": (
+        "apps/trainer/tests/test_bench_commands.py::test_nox_bench_runs_every_cpu_script"
+    ),
+    **dict.fromkeys(
+        [
+            "uv run python bench/throughput.py --flavors debugmodel --dtype float32 --steps 12 "
+            '--variants "eager;--compile.enable"',
+            "uv run python bench/throughput.py --flavors debugmodel --dtype bfloat16 --steps 6 "
+            '--variants "eager;--compile.enable"',
+            "uv run python bench/throughput.py --flavors 100M --dtype float32 --steps 3 --warmup 1",
+        ],
+        "apps/trainer/tests/test_bench_commands.py::"
+        "test_bench_readme_throughput_commands_run_at_toy_sizes",
     ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"

@@ -109,15 +109,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
         if kv_cache is not None:
             k, v = kv_cache.update(start, k, v)
+        # [batch, heads, seq, head_dim]; the kernels read the grouped k and v heads in place.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
         if kv_cache is None:
             out = attend(q, k, v, mask)
         else:
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=causal_mask(start, seq_len, x.device)
+                q,
+                k,
+                v,
+                attn_mask=causal_mask(start, seq_len, x.device),
+                enable_gqa=self.n_rep > 1,
             )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
