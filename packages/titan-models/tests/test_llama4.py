@@ -110,6 +110,13 @@ def test_chunked_attention_equals_a_masked_reference():
         torch.testing.assert_close(
             chunked_causal_attention(q, k, v, chunk), _masked_reference(q, k, v, chunk)
         )
+    # Grouped k and v heads (read in place) give what repeating them for each query head gives.
+    q = torch.randn(2, 6, 20, 8)
+    for chunk in (7, 64):
+        torch.testing.assert_close(
+            chunked_causal_attention(q, k, v, chunk),
+            _masked_reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), chunk),
+        )
 
 
 def _small(**changes):

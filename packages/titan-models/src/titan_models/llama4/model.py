@@ -81,12 +81,15 @@ def chunked_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int
 ) -> torch.Tensor:
     """Causal attention within chunks of `chunk` positions ([batch, heads, seq, head_dim],
-    positions starting at 0): one causal attention per chunk, no mask tensor."""
+    positions starting at 0): one causal attention per chunk, no mask tensor. k and v may
+    have fewer heads than q (grouped-query attention), read in place."""
+    gqa = k.shape[1] < q.shape[1]
     if q.shape[2] <= chunk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     pieces = zip(q.split(chunk, dim=2), k.split(chunk, dim=2), v.split(chunk, dim=2))
     return torch.cat(
-        [F.scaled_dot_product_attention(*qkv, is_causal=True) for qkv in pieces], dim=2
+        [F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=gqa) for qkv in pieces],
+        dim=2,
     )
 
 
@@ -132,21 +135,20 @@ class Attention(nn.Module):
             q = (q * temperature[:seq_len].view(1, seq_len, 1, 1)).type_as(q)
         if kv_cache is not None:
             k, v = kv_cache.update(start, k, v)
+        # [batch, heads, seq, head_dim]; the kernels read the grouped k and v heads in place.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)
-            v = v.repeat_interleave(self.n_rep, dim=1)
+        gqa = self.n_rep > 1
         chunk = self.args.attention_chunk_size
         if kv_cache is not None:
             if self.use_rope:
                 mask = chunked_mask(start, seq_len, chunk, x.device)
             else:
                 mask = causal_mask(start, seq_len, x.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         elif self.use_rope:
             out = chunked_causal_attention(q, k, v, chunk)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
