@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from titan_models import LlamaArgs, Transformer, llama3_flavors
+from titan_models import KVCache, LlamaArgs, Transformer, llama3_flavors
 
 
 def build_model(args: LlamaArgs, seed: int = 0) -> Transformer:
@@ -30,3 +30,16 @@ def tiny_args() -> LlamaArgs:
         rope_theta=10000.0,
         rope_original_max_seq_len=32,
     )
+
+
+def decode_in_pieces(model, vocab_size: int):
+    """A full forward of 2 x 24 tokens, and the same tokens through a KV cache: a prompt of 10,
+    a piece of 4 (its queries see the cache and each other causally), then one token at a
+    time. Returns (full logits, cached logits, the cache)."""
+    tokens = torch.randint(0, vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(max_len=24)
+        parts = [model(tokens[:, :10], kv_cache=cache), model(tokens[:, 10:14], kv_cache=cache)]
+        parts += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(14, 24)]
+    return full, torch.cat(parts, dim=1), cache

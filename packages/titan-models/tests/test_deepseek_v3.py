@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import decode_in_pieces
 
 from titan_core.init import init_from_plan_
 from titan_models.deepseek_v3 import (
@@ -225,20 +226,12 @@ def test_yarn_softmax_scale_follows_mscale():
 
 
 def test_cached_decoding_gives_the_logits_of_a_full_forward():
-    from titan_models import KVCache
-
     args = _small()
     model = build(args).eval()
     _randomise(model)
-    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(tokens)
-        cache = KVCache(max_len=24)
-        # A prompt of 10, a piece of 4, then one token at a time.
-        parts = [model(tokens[:, :10], kv_cache=cache), model(tokens[:, 10:14], kv_cache=cache)]
-        parts += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(14, 24)]
+    full, cached, cache = decode_in_pieces(model, args.vocab_size)
     # fp32; the cached path attends with an explicit mask instead of is_causal: ~1e-6.
-    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
+    assert (cached - full).abs().max().item() <= 1e-5
     assert cache.pos == 24
 
 

@@ -8,29 +8,20 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import build_model
+from conftest import build_model, decode_in_pieces
 
-from titan_models import KVCache, LlamaHFAdapter, Sampling, generate, next_token
+from titan_models import LlamaHFAdapter, Sampling, generate, next_token
 
 
 def test_cached_decoding_gives_the_logits_of_a_full_forward(tiny_args):
     model = build_model(tiny_args).eval()
-    tokens = torch.randint(
-        0, tiny_args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1)
-    )
-    with torch.no_grad():
-        full = model(tokens)
-        cache = KVCache(max_len=24)
-        # a prompt of 10, a chunk of 4 (its queries see the cache and each other causally),
-        # then one token at a time
-        parts = [model(tokens[:, :10], kv_cache=cache), model(tokens[:, 10:14], kv_cache=cache)]
-        parts += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(14, 24)]
-    cached = torch.cat(parts, dim=1)
+    full, cached, cache = decode_in_pieces(model, tiny_args.vocab_size)
     assert cache.pos == 24
     # fp32; the cached path attends with an explicit mask instead of is_causal: ~1e-6.
     assert (cached - full).abs().max().item() <= 1e-5
+    tokens = torch.zeros(2, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="holds 24 positions; 24 are used and 1 more"):
-        model(tokens[:, :1], kv_cache=cache)
+        model(tokens, kv_cache=cache)
 
 
 def test_greedy_tokens_equal_transformers_greedy_generation(tiny_args):

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import decode_in_pieces
 
 from titan_models.llama4 import (
     Llama4HFAdapter,
@@ -224,20 +225,14 @@ def test_import_reads_multimodal_names_and_export_refuses_a_trained_bias():
 
 
 def test_cached_decoding_gives_the_logits_of_a_full_forward():
-    from titan_models import KVCache
-
     args = _small()
     model = build(args).eval()
     _randomise(model)
-    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(tokens)
-        cache = KVCache(max_len=24)
-        # A prompt of 10, a piece of 4, then one token at a time (crossing chunk boundaries at 8, 16).
-        parts = [model(tokens[:, :10], kv_cache=cache), model(tokens[:, 10:14], kv_cache=cache)]
-        parts += [model(tokens[:, i : i + 1], kv_cache=cache) for i in range(14, 24)]
+    full, cached, cache = decode_in_pieces(
+        model, args.vocab_size
+    )  # its pieces cross the chunk boundaries at 8 and 16
     # fp32; the cached path attends with an explicit mask instead of is_causal: ~1e-6.
-    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
+    assert (cached - full).abs().max().item() <= 1e-5
     assert cache.pos == 24
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core.init import ParamInit, init_from_plan_
+from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.flops import deepseek_v3_flops_per_token
@@ -35,6 +35,7 @@ from titan_models.deepseek_v3.rope import build_rope_cache, softmax_scale
 from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.llama3.rope import apply_rope
 from titan_models.moe import MoE, SwiGLU
+from titan_models.weights import init_by_plan_
 
 BASE_STD = 0.02
 _DENSE_FFN_PLAN = {
@@ -225,10 +226,7 @@ class DeepSeekV3Transformer(nn.Module):
         self, buffer_device: torch.device | None = None, *, seed: int | None = None
     ) -> None:
         self.init_buffers(buffer_device)
-        seed = torch.initial_seed() if seed is None else seed
-        missing = init_from_plan_(self, self.init_plan(), seed)
-        if missing:
-            raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
+        init_by_plan_(self, seed)
 
     def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Logits of every position of `tokens`; with `kv_cache`, the tokens continue the

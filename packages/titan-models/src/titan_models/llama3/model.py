@@ -33,13 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core.init import ParamInit, init_from_plan_
+from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
 from titan_models.attention import AttentionMask, attend, build_attention_mask
 from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.llama3.args import LlamaArgs
 from titan_models.llama3.flops import llama_flops_per_token
 from titan_models.llama3.rope import apply_rope, build_rope_cache
+from titan_models.weights import init_by_plan_
 
 BASE_STD = 0.02
 
@@ -215,10 +216,7 @@ class Transformer(nn.Module):
         by default where it already is.
         """
         self.init_buffers(buffer_device)
-        seed = torch.initial_seed() if seed is None else seed
-        missing = init_from_plan_(self, self.init_plan(), seed)
-        if missing:
-            raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
+        init_by_plan_(self, seed)
 
     def forward(
         self,

@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core.init import ParamInit, init_from_plan_
+from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
 from titan_models.attention import AttentionMask, attend, build_attention_mask
 from titan_models.generation import KVCache, LayerCache, causal_mask
 from titan_models.moe import MoE, SwiGLU
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.flops import qwen3_flops_per_token
+from titan_models.weights import init_by_plan_
 
 BASE_STD = 0.02
 
@@ -209,10 +210,7 @@ class Qwen3Transformer(nn.Module):
         self, buffer_device: torch.device | None = None, *, seed: int | None = None
     ) -> None:
         self.init_buffers(buffer_device)
-        seed = torch.initial_seed() if seed is None else seed
-        missing = init_from_plan_(self, self.init_plan(), seed)
-        if missing:
-            raise KeyError(f"init_plan() has no rule for {', '.join(missing)}")
+        init_by_plan_(self, seed)
 
     def forward(
         self,
