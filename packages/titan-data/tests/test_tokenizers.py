@@ -3,6 +3,7 @@ import shutil
 import sys
 
 import pytest
+from conftest import TEXTS
 
 from titan_data import ByteTokenizer, Llama3Tokenizer, load_tokenizer
 from titan_data.tokenizer import find_tokenizer_model, llama3_package_asset
@@ -18,22 +19,6 @@ needs_reference = pytest.mark.skipif(
     "reference tokenizer and its tokenizer.model",
 )
 
-TEXTS = [
-    "",
-    "Hello, world!",
-    "The quick brown fox jumps over the lazy dog. It's 3:14pm; we'll see.",
-    "Ünïcödé façade — naïve café, Ελληνικά, русский, עברית, العربية",
-    "日本語のテキストと中文文本，还有한국어 텍스트。",
-    "emoji: 🙂🚀👩‍👩‍👧‍👦 🇫🇷 ✔️",
-    "digits 1234567890 3.14159 1e-10 0xFF 1,000,000",
-    "tabs\tand\nnew\r\nlines\n\n\n  indented\u00a0nbsp\u3000ideographic space",
-    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>hi<|eot_id|><|end_of_text|>",
-    "def f(x):\n    return x ** 2  # code\n",
-    " " * 30_000 + "after a long run of spaces",
-    "x" * 60_000,
-    "word " * 2_000 + "\n" * 26_000 + "y" * 25_001,
-    "z" * 399_990 + " " * 30_000 + "tail",  # a long run across the 400k-character cut
-]
 
 
 @needs_reference

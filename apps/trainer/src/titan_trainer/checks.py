@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import json
+import os
 
 import torch
 
@@ -155,11 +157,30 @@ def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[st
     ]
 
 
+def hf_import_vocab(config: JobConfig) -> int | None:
+    """The vocabulary size of the Hugging Face weights a run starts from (`vocab_size` in the
+    config.json of `initial_load_path` with `initial_load_in_hf`), or None."""
+    ckpt = config.checkpoint
+    if not (ckpt.initial_load_in_hf and ckpt.initial_load_path):
+        return None
+    try:
+        with open(os.path.join(ckpt.initial_load_path, "config.json"), encoding="utf-8") as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):  # no readable config.json: the tokenizer's
+        return None
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
 def model_args_for(spec, config: JobConfig, vocab_size: int):
     """The flavor's arguments with the tokenizer's vocabulary (rounded up to a multiple of 64,
-    so that any TP degree up to 64 splits it evenly) and the training sequence length."""
+    so that any TP degree up to 64 splits it evenly, or the vocabulary of the Hugging Face
+    weights the run starts from when that holds the tokenizer's: Qwen's 151,936 rows for its
+    151,669 ids) and the training sequence length."""
     args = spec.flavors[config.model.flavor]
     padded = -(-vocab_size // 64) * 64
+    imported = hf_import_vocab(config)
+    if imported is not None and imported >= vocab_size:
+        padded = imported
     changes = {}
     fields = {f.name for f in dataclasses.fields(args)}
     if "vocab_size" in fields:
@@ -210,7 +231,12 @@ def preflight_problems(
         if dry_run:
             notes.append(f"{message}; memory uses the flavor's vocabulary ({vocab_size:,})")
         else:
-            problems.append(message + "\npoint tokenizer_path at a tokenizer.model, or use byte")
+            problems.append(
+                message + "\npoint tokenizer_path at a tokenizer.json or tokenizer.model (or a"
+                " folder holding one), or use byte"
+            )
+    else:
+        problems += _hf_vocab_problems(config, tokenizer_path, vocab_size, notes)
     problems += _dataset_problems(
         data, "training", config.training.dataset, config.training.dataset_path, notes
     )
@@ -224,6 +250,28 @@ def preflight_problems(
     if not dry_run:
         problems += fault_tolerance_problems(config)
     return problems, notes, vocab_size
+
+
+def _hf_vocab_problems(
+    config: JobConfig, tokenizer_path: str, vocab_size: int, notes: list[str]
+) -> list[str]:
+    """Hugging Face weights to start from must have a row for every id of the tokenizer."""
+    imported = hf_import_vocab(config)
+    if imported is None:
+        return []
+    path = config.checkpoint.initial_load_path
+    if imported < vocab_size:
+        return [
+            f"[checkpoint] initial_load_path = {path!r} holds weights for {imported:,} token ids"
+            f" (its config.json), fewer than the {vocab_size:,} of the tokenizer"
+            f" {tokenizer_path!r}\nuse the tokenizer those weights were trained"
+            f" with (a Hugging Face folder holds it: --model.tokenizer_path {path})"
+        ]
+    notes.append(
+        f"model: vocabulary {imported:,} from the Hugging Face weights in {path}"
+        f" (the tokenizer has {vocab_size:,} ids)"
+    )
+    return []
 
 
 def _first_line(e: BaseException) -> str:

@@ -32,8 +32,10 @@ class Model:
     flavor: str = "debugmodel"
     """Size preset of the family, e.g. debugmodel, 8B, 70B, 405B."""
     tokenizer_path: str = "byte"
-    """`byte` (no asset needed), `llama3` (from the llama-models package), or a path to
-    tokenizer.model or to a folder holding it."""
+    """`byte` (no asset needed), `llama3` (from the llama-models package), a path to a Hugging
+    Face tokenizer.json (special tokens from the tokenizer_config.json beside it) or a tiktoken
+    tokenizer.model, or a folder holding one (a model's Hugging Face download). Its vocabulary
+    sets the model's."""
     hf_assets_path: str | None = None
     """Folder of Hugging Face assets; its tokenizer is used when set (torchtitan's newer key)."""
     converters: list[str] = field(default_factory=list)

@@ -13,6 +13,7 @@ through titan-core's plugin registry; this file only composes them. `prepare` bu
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import signal
 import time
@@ -239,7 +240,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     if semi_sync is not None and semi_sync.method == "diloco":
         states["diloco"] = semi_sync  # the last synced weights and the outer momentum
     checkpointer = build_checkpointer(
-        config, dims, states=states, config_toml=resolved_toml, vocab_size=tokenizer.vocab_size
+        config, dims, states=states, config_toml=resolved_toml, tokenizer=tokenizer
     )
     run = Run(
         config, info, dims, runtime, data, tokenizer, loader, converters, parts, optimizer,
@@ -313,7 +314,7 @@ def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
 
 
 def build_checkpointer(
-    config: JobConfig, dims: ParallelDims, *, states: dict, config_toml: str, vocab_size: int
+    config: JobConfig, dims: ParallelDims, *, states: dict, config_toml: str, tokenizer
 ):
     """The checkpointer plugin (`checkpoint.checkpointer`) over `states`, or None when the run
     neither saves nor loads."""
@@ -321,10 +322,13 @@ def build_checkpointer(
     if not (ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path):
         return None
     factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names.
+    # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names;
+    # the exported config.json carries the vocabulary and the BOS/EOS ids of the tokenizer.
     spec = resolve(plugins.MODELS, config.model.name)
     hf_adapter = (
-        spec.hf_adapter(model_args_for(spec, config, vocab_size)) if spec.hf_adapter else None
+        build_hf_adapter(spec, model_args_for(spec, config, tokenizer.vocab_size), tokenizer)
+        if spec.hf_adapter
+        else None
     )
     return factory(
         ckpt,
@@ -335,6 +339,18 @@ def build_checkpointer(
         dp_rank=dp_coordinates(dims)[0],
         hf_adapter=hf_adapter,
     )
+
+
+def build_hf_adapter(spec, args, tokenizer):
+    """The model's HF adapter, given the tokenizer's BOS/EOS ids for the config.json it
+    writes when it takes them (titan-models' adapters do; `ModelSpec.hf_adapter`)."""
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    try:
+        params = inspect.signature(spec.hf_adapter).parameters
+    except (TypeError, ValueError):  # a callable without a signature: only args
+        return spec.hf_adapter(args)
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return spec.hf_adapter(args, **{k: v for k, v in ids.items() if takes_all or k in params})
 
 
 def _pipeline_microbatches(runtime) -> int:

@@ -177,7 +177,10 @@ class ModelSpec:
     name: str
     flavors: Mapping[str, Any]
     build: Callable[[Any], nn.Module]
-    hf_adapter: Callable[[Any], HFAdapter] | None = None
+    hf_adapter: Callable[..., HFAdapter] | None = None
+    """`hf_adapter(args)` converts the weights of a model built from `args`; a trainer also
+    passes `bos_token_id=` and `eos_token_id=` (the tokenizer's, for the config.json it
+    writes) when the callable takes them."""
 
 
 # ----------------------------------------------------------------------------- data

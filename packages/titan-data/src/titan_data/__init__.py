@@ -13,6 +13,7 @@ __version__ = importlib.metadata.version("titan-data")  # the pyproject's versio
 _EXPORTS = {
     "ByteTokenizer": "titan_data.byte_tokenizer",
     "DataError": "titan_data.errors",
+    "HFTokenizer": "titan_data.hf_tokenizer",
     "HUB_DATASETS": "titan_data.sources",
     "Layout": "titan_data.order",
     "Llama3Tokenizer": "titan_data.llama3_tokenizer",
@@ -21,6 +22,7 @@ _EXPORTS = {
     "TokenShards": "titan_data.token_shards",
     "build_dataloader": "titan_data.loader",
     "data_spec": "titan_data.spec",
+    "find_tokenizer_file": "titan_data.tokenizer",
     "find_tokenizer_model": "titan_data.tokenizer",
     "load_source": "titan_data.sources",
     "load_tokenizer": "titan_data.tokenizer",
@@ -29,6 +31,7 @@ _EXPORTS = {
 }
 __all__ = [
     "HUB_DATASETS",
+    "HFTokenizer",
     "ByteTokenizer",
     "DataError",
     "Layout",
@@ -38,6 +41,7 @@ __all__ = [
     "TokenShards",
     "build_dataloader",
     "data_spec",
+    "find_tokenizer_file",
     "find_tokenizer_model",
     "load_source",
     "load_tokenizer",
@@ -62,6 +66,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from titan_data.byte_tokenizer import ByteTokenizer
     from titan_data.errors import DataError
+    from titan_data.hf_tokenizer import HFTokenizer
     from titan_data.llama3_tokenizer import Llama3Tokenizer
     from titan_data.loader import TitanDataLoader, build_dataloader
     from titan_data.mixture import parse_datasets
@@ -70,4 +75,4 @@ if TYPE_CHECKING:
     from titan_data.sources import HUB_DATASETS, Source, load_source
     from titan_data.spec import data_spec
     from titan_data.token_shards import TokenShards
-    from titan_data.tokenizer import find_tokenizer_model, load_tokenizer
+    from titan_data.tokenizer import find_tokenizer_file, find_tokenizer_model, load_tokenizer

@@ -30,7 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     tok.add_argument("--dataset-path", default=None, help="local copy of a hub dataset")
     tok.add_argument(
-        "--tokenizer", required=True, help="byte, llama3, or a path to tokenizer.model"
+        "--tokenizer",
+        required=True,
+        help="byte, llama3, or a path to a Hugging Face tokenizer.json or a tiktoken"
+        " tokenizer.model, or to a folder holding one",
     )
     tok.add_argument("--out", required=True, help="folder to write (created if needed)")
     tok.add_argument("--text-field", default="text", help="column holding the text (default text)")
