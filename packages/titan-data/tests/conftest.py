@@ -140,9 +140,9 @@ def bpe_folders(tmp_path_factory) -> dict[str, str]:
     and DeepSeek-V3's do), `qwen` (no BOS, `add_bos_token: false`, config.json ids, as Qwen3's),
     `bare` (tokenizer.json alone), `torchtitan` (tokenizer_config.json names tokens that
     tokenizer.json lacks, as torchtitan's test tokenizer does)."""
-    from titan_data import pydocs_documents
-
     from tokenizers import Tokenizer
+
+    from titan_data import pydocs_documents
 
     root = tmp_path_factory.mktemp("bpe")
     trained = root / "tokenizer.json"

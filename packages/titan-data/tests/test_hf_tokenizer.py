@@ -102,7 +102,9 @@ def test_a_missing_or_unreadable_tokenizer_is_an_error_naming_the_path_and_the_f
     with pytest.raises(ValueError) as err:
         load_tokenizer(str(garbled))
     message = str(err.value)
-    assert message.startswith(f"{garbled / 'tokenizer.json'} is not a tokenizer.json the tokenizers")
+    assert message.startswith(
+        f"{garbled / 'tokenizer.json'} is not a tokenizer.json the tokenizers"
+    )
     assert "download it again" in message and "\n" not in message
     bad_config = tmp_path / "bad_config"
     shutil.copytree(bpe_folders["llama"], bad_config)

@@ -20,7 +20,6 @@ needs_reference = pytest.mark.skipif(
 )
 
 
-
 @needs_reference
 def test_llama3_ids_match_reference_tokenizer(llama3):
     reference = ReferenceTokenizer.get_instance()
