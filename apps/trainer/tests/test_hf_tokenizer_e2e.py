@@ -133,3 +133,15 @@ def test_a_missing_or_garbled_tokenizer_json_is_a_config_error(what, tmp_path, c
     }[what]
     assert head + expected in err, err
     assert "download it again" in err or what == "missing"
+
+
+def test_the_readme_tokenizer_and_import_config_loads(tmp_path):
+    from titan_core import load_config
+    from titan_trainer.config import JobConfig
+
+    readme = (TRAINER / "README.md").read_text()
+    block = next(b for b in readme.split("```toml\n")[1:] if "tokenizer_path" in b)
+    (tmp_path / "job.toml").write_text(block.split("```")[0])
+    config = load_config(JobConfig, [], toml_path=tmp_path / "job.toml")
+    assert config.model.tokenizer_path == config.checkpoint.initial_load_path
+    assert config.checkpoint.initial_load_in_hf and config.checkpoint.initial_load_model_only

@@ -149,3 +149,22 @@ def test_tokenize_writes_the_tokenizer_json_ids_and_training_reads_them(
             seq_len=32,
             batch_size=2,
         )
+
+
+def test_without_a_bos_the_eos_ending_a_document_starts_the_next(bpe_folders, tmp_path):
+    """Block-causal attention counts `bos_id` tokens to find documents: for Qwen's kind that is
+    the EOS, and packing adds no other token, so each document's tokens (after the EOS that
+    ends the one before) get one id of their own."""
+    qwen = load_tokenizer(bpe_folders["qwen"])
+    docs = ["The list type", "Dictionaries map keys", "A tuple"]
+    stream = [i for d in docs for i in qwen.encode(d, bos=True, eos=True)]
+    data = write_jsonl(tmp_path / "docs.jsonl", docs)
+    loader = build_dataloader(
+        dataset=data, dataset_path=None, tokenizer=qwen, seq_len=len(stream) - 1, batch_size=1
+    )
+    inputs, labels = next(iter(loader))
+    assert inputs[0].tolist() + labels[0, -1:].tolist() == stream  # text + EOS, nothing else
+    document_ids = (inputs[0] == qwen.bos_id).cumsum(0).tolist()
+    lengths = [len(qwen.encode(d, bos=False, eos=False)) for d in docs]
+    expected = [0] * lengths[0] + [1] * (1 + lengths[1]) + [2] * (1 + lengths[2])
+    assert document_ids == expected

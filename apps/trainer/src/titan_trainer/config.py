@@ -44,8 +44,9 @@ class Model:
     """Log the model after converters ran."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
-    the earlier tokens of its own document (documents start at the tokenizer's BOS), so that
-    packed documents do not see each other. FlexAttention on CUDA, a dense mask elsewhere; the
+    the earlier tokens of its own document (documents start at the tokenizer's BOS, or for one
+    without a BOS at the EOS ending the previous one), so that packed documents do not see each
+    other. FlexAttention on CUDA, a dense mask elsewhere; the
     model's forward must take `document_ids` (titan-models' do). Not with context parallel."""
 
 
