@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 
 import numpy as np
@@ -49,6 +50,11 @@ def test_ids_are_the_tokenizers_librarys_on_tricky_texts_and_decode_back(bpe_fol
         assert tokenizer.decode(ids) == text, text[:40]
     # Special-token text stays text, yet splits into fewer pieces than bytes (BPE merges).
     assert 1 < len(tokenizer.encode("<|endoftext|>", bos=False, eos=False)) < len("<|endoftext|>")
+    # A copy for a spawned worker process encodes alike.
+    copy = pickle.loads(pickle.dumps(tokenizer))
+    assert [copy.encode(t, bos=True, eos=True) for t in SPECIAL_TEXTS] == [
+        tokenizer.encode(t, bos=True, eos=True) for t in SPECIAL_TEXTS
+    ]
     # Special ids decode to their text, as transformers' decode does by default.
     ids = tokenizer.encode("def f", bos=True, eos=True)
     assert tokenizer.decode(ids) == "<|begin_of_text|>def f<|end_of_text|>"

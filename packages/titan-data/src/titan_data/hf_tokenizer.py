@@ -126,6 +126,12 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A worker process started by spawn gets a pickled copy; tokenizers does not pickle the
+        # switch, and special-token text would become control tokens there.
+        self.__dict__.update(state)
+        self._tokenizer.encode_special_tokens = True
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
 
