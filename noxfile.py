@@ -38,6 +38,7 @@ PACKAGES = {
 # trainer composes everything, so its tests run in the workspace env.
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
+DURATIONS = 25
 
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
@@ -65,6 +66,8 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
         str(ROOT / PACKAGES[dist] / "tests"),
         f"--junitxml={JUNIT / session.name}.xml",
         "-q",
+        # The slowest tests, so that CI time stays visible where it goes.
+        f"--durations={DURATIONS}",
         *session.posargs,
     ]
 

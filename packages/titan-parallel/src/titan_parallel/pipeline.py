@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_core.compat import accepts, note_missing
 from titan_core.config import ConfigError
 from titan_parallel.pipeline_split import (
     build_stage_modules,
@@ -160,9 +161,18 @@ def _stage_kwargs(io: StageIO | None, stage_id: int, num_stages: int) -> dict:
     if io is None:
         return {}
     first, last = stage_id == 0, stage_id == num_stages - 1
-    return dict(
+    kwargs = dict(
         input_args=io.first_input if first else io.hidden,
         output_args=io.last_output if last else io.hidden,
+    )
+    if not accepts(PipelineStage.__init__, "output_grads"):
+        note_missing(
+            "PipelineStage(input_grads=, output_grads=)",
+            "pipeline stages take their gradients' shapes from their inputs and outputs",
+        )
+        return kwargs
+    return dict(
+        kwargs,
         input_grads=None if first else io.hidden,
         # The last stage's output gradient comes from its own loss, never from a peer; torch
         # still wants its shape when the output is a DTensor (loss parallel).
