@@ -178,6 +178,11 @@ class ModelSpec:
     flavors: Mapping[str, Any]
     build: Callable[[Any], nn.Module]
     hf_adapter: Callable[[Any], HFAdapter] | None = None
+    block_causal_check: Callable[[torch.device], list[str]] | None = None
+    """For a family whose forward takes `document_ids`: computes its block-causal attention on
+    a device as the model does there and compares it with a reference, returning one line per
+    disagreement. A trainer runs it before training with block-causal attention and refuses a
+    device where it fails (titan-models: `titan_models.attention.check_block_causal`)."""
 
 
 # ----------------------------------------------------------------------------- data
