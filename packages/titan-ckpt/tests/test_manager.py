@@ -298,3 +298,26 @@ def test_async_save_in_a_job_whose_process_group_has_no_cpu_backend(tmp_path):
     assert manager.load() == 2
     manager.close()
     assert_same(full_model(run.model), full_model(resumed.model), "parameters")
+
+
+def test_async_saves_where_torchs_stager_stages_only_once(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes itself after its first stage (the second fails with
+    `KeyError: <class 'type'>`); on such a torch every save gets a stager of its own
+    (StagerPerSave). That path, taken here on any torch: three async saves, then an exact
+    resume from the last."""
+    from titan_ckpt import staging
+
+    monkeypatch.setattr(staging, "default_stager_is_reusable", lambda: False)
+    a = build_run()
+    losses_a = train(a, 8)
+    b = build_run()
+    manager = _manager(b, tmp_path, interval=2, async_mode="async")
+    assert isinstance(manager._stager._copier, staging.StagerPerSave)
+    train(b, 6, manager)  # async saves at steps 2, 4 and 6
+    manager.close()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6]
+    c = build_run(seed=123)
+    manager = _manager(c, tmp_path, interval=2)
+    assert manager.load() == 6
+    assert train(c, 2) == losses_a[6:]  # one process, same ops: bitwise
+    manager.close()
