@@ -11,6 +11,7 @@ The folder holds:
   for a machine that has them too; `--python-version` picks the wheels for its Python);
 - `repo/`: this checkout's tracked files without the package sources (tests, configs, READMEs,
   the pytest settings), so that the tests can only import the installed wheels;
+- `gpu_test_files.txt`: the test files that hold tests marked `gpu`, a line per package;
 - `run_gpu_tests.sh`: installs the wheels with `pip install --no-deps --no-index --target`
   into a folder of their own (`$TITAN_TARGET`, default `site-packages/` in the bundle), so the
   machine's Python is left as it is, puts that folder first on `PYTHONPATH`, and runs every
@@ -48,11 +49,12 @@ export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c 'import titan_core, torch; print("gpu suite: titan from", titan_core.__file__,
   "| torch", torch.__version__, "| CUDA GPUs:", torch.cuda.device_count())'
 status=0
-for tests in "$here"/repo/packages/*/tests "$here"/repo/apps/trainer/tests; do
-  # Exit status 5: no test of that package is marked gpu.
-  "$python" -m pytest -m gpu -rs -p no:cacheprovider --rootdir "$here/repo" "$tests" "$@" \\
-    || { rc=$?; if [ "$rc" -ne 5 ]; then status=$rc; fi; }
-done
+# One pytest per package (each tests folder has its own conftest), over its files that hold
+# tests marked gpu.
+while read -r files; do
+  "$python" -m pytest -m gpu -rs -p no:cacheprovider --rootdir "$here/repo" \\
+    $(for f in $files; do echo "$here/repo/$f"; done) "$@" </dev/null || status=$?
+done < "$here/gpu_test_files.txt"
 exit "$status"
 """
 
@@ -109,6 +111,19 @@ def copy_repo(dest: Path) -> None:
         shutil.copy2(ROOT / name, target)
 
 
+def gpu_test_files() -> list[list[str]]:
+    """The tracked test files that mark tests `gpu`, grouped by tests folder."""
+    files = subprocess.run(
+        ["git", "ls-files", "*/tests/test_*.py"], cwd=ROOT, check=True, capture_output=True,
+        text=True,
+    ).stdout.splitlines()  # fmt: skip
+    groups: dict[str, list[str]] = {}
+    for name in files:
+        if "pytest.mark.gpu" in (ROOT / name).read_text():
+            groups.setdefault(str(Path(name).parent), []).append(name)
+    return list(groups.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_third_party:
         download(third_party_requirements(), wheels, args.python_version)
     copy_repo(out / "repo")
+    (out / "gpu_test_files.txt").write_text(
+        "".join(" ".join(group) + "\n" for group in gpu_test_files())
+    )
     script = out / "run_gpu_tests.sh"
     script.write_text(RUN_SCRIPT)
     script.chmod(0o755)

@@ -40,7 +40,9 @@ def test_the_bundle_installs_without_dependencies_and_skips_every_gpu_test_with_
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-4000:]
     assert f"gpu suite: titan from {site / 'titan_core' / '__init__.py'}" in done.stdout, said
-    # One pytest run per package; those without gpu tests select none (exit status 5).
+    # One pytest run per package that has gpu tests, over the files that hold them.
+    groups = (bundle / "gpu_test_files.txt").read_text().splitlines()
+    assert any("apps/trainer/tests/test_gpu.py" in group.split() for group in groups), groups
     summaries = re.findall(
         r"^(?:=+ )?(.*(?:deselected|skipped|passed|failed).*?)(?: =+)?$", done.stdout, re.M
     )
