@@ -31,5 +31,10 @@ def __getattr__(name: str):
     if not layers.isdigit() or mode not in ("", "loop"):
         raise AttributeError(name)
     spec = resolve(plugins.MODELS, family)
-    flavors = {k: shrunk(v, int(layers), mode == "loop") for k, v in spec.flavors.items()}
+    # A flavor that cannot have so few blocks (DeepSeek-V3 671B's three dense ones) stays as
+    # it is: only the flavor a run names is used.
+    flavors = {
+        k: shrunk(v, int(layers), mode == "loop") if int(layers) >= fewest_layers(v) else v
+        for k, v in spec.flavors.items()
+    }
     return dataclasses.replace(spec, flavors=flavors)

@@ -180,6 +180,22 @@ def _stage_kwargs(io: StageIO | None, stage_id: int, num_stages: int) -> dict:
     )
 
 
+def _skip_warmup_with_itself(stage: PipelineStage, pp_rank: int) -> None:
+    """torch 2.11's schedules open the links between stages with a send and a receive to each
+    neighbouring stage, even one on the same rank (the V schedules, ZBVZeroBubble and
+    DualPipeV, keep two neighbouring stages on one rank); gloo cannot send to itself ("Pair is
+    not connected"), and neighbours on one rank exchange nothing through the group anyway.
+    Newer torch has no such warm-up; where it does, only the ops with other ranks are kept."""
+    warmup = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warmup is None:
+        return
+
+    def with_other_ranks() -> list:
+        return [op for op in warmup() if op.group_peer != pp_rank]
+
+    stage._get_init_p2p_neighbors_ops = with_other_ranks
+
+
 def pipeline_stage_ids(
     style: StageStyle, pp_rank: int, pp_degree: int, stages_per_rank: int
 ) -> list[int]:
@@ -454,6 +470,8 @@ def build_pipeline(
         )
         for part, sid in zip(parts, stage_ids)
     ]
+    for stage in stages:
+        _skip_warmup_with_itself(stage, pp_rank)
     scaled = _scaled_loss(loss_fn, n_microbatches)
 
     if csv_path is not None:
