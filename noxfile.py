@@ -6,6 +6,7 @@
     uv run nox -s packaging                # what the built wheels and sdists carry
     uv run nox -t compat                   # lowest/highest torch x oldest/newest Python
     uv run nox -s bench                    # benchmarks (not in the default set)
+    uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
 a venv of their own: torch is large and the lock already pins it. Isolated sessions build
@@ -38,6 +39,7 @@ PACKAGES = {
 # trainer composes everything, so its tests run in the workspace env.
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
+DURATIONS = 25
 
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
@@ -65,6 +67,8 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
         str(ROOT / PACKAGES[dist] / "tests"),
         f"--junitxml={JUNIT / session.name}.xml",
         "-q",
+        # The slowest tests, so that CI time stays visible where it goes.
+        f"--durations={DURATIONS}",
         *session.posargs,
     ]
 
@@ -290,7 +294,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="bench-gpu", venv_backend="none")
 def bench_gpu(session: nox.Session) -> None:
-    """Every GPU benchmark (1B throughput, Float8, async TP, checkpoints) into one JSON file
+    """Every GPU benchmark (1B throughput, Float8, async TP, checkpoints) into one JSON-lines file
     (bench/gpu.py); on a machine without a CUDA GPU it says so and fails."""
     session.run(
         "uv",
@@ -301,6 +305,20 @@ def bench_gpu(session: nox.Session) -> None:
         *session.posargs,
         env={"PYTHONUNBUFFERED": "1", **os.environ},
     )
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU suite: every test marked `gpu`, of every package, in the workspace env (one
+    CUDA GPU: the README's main job, each shipped config shrunk to fit it, Float8, MoE,
+    validation, generation, memory). Without a GPU each is reported skipped with its reason.
+    Where torch is preinstalled and nothing can be downloaded: tools/gpu_bundle.py."""
+    for dist in PACKAGES:
+        session.run(
+            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "gpu",
+            "-rs", f"--durations={DURATIONS}", *session.posargs,
+            success_codes=[0, 5],  # 5: none of this package's tests is marked gpu
+        )  # fmt: skip
 
 
 @nox.session(name="dryrun-405b", venv_backend="none")

@@ -188,3 +188,29 @@ def test_block_causal_attention_needs_a_model_that_takes_document_ids():
         " `document_ids`, and runtime_models:third_party_spec's (ThirdParty) does not" in p
         for p in found
     ), found
+
+
+def test_block_causal_attention_is_refused_on_a_device_where_its_check_fails():
+    """The trainer runs the family's check of its block-causal attention on the job's device
+    before training (FlexAttention against the dense mask on CUDA); here the FlexAttention
+    path on the CPU, with a mask that lets documents see each other."""
+    import torch
+
+    from titan_trainer.checks import block_causal_device_problem
+
+    args = ["--model.attn_mask_type", "block_causal"]
+    config = load_config(JobConfig, args)
+    assert block_causal_device_problem(config, torch.device("cpu")) is None  # the real check
+    leaky = load_config(
+        JobConfig, [*args, "--model.name", "runtime_models:leaky_block_causal_spec"]
+    )
+    problem = block_causal_device_problem(leaky, torch.device("cpu"))
+    assert problem.startswith(
+        "[model] attn_mask_type = 'block_causal': runtime_models:leaky_block_causal_spec's"
+        " block-causal attention on cpu: "
+    ), problem
+    assert "does not match the dense mask:\n  torch.float32 forward: greatest difference" in problem
+    assert problem.endswith(
+        "training would let documents attend to each other; use attn_mask_type = 'causal' on"
+        " this machine, or another torch version"
+    )

@@ -1,13 +1,17 @@
 """Exact resume through the trainer: a run resumed from its step-N checkpoint repeats the
-uninterrupted run's steps N+1..2N exactly."""
+uninterrupted run's steps N+1..2N exactly, from an async save made in the process group a
+CUDA job builds."""
 
 from __future__ import annotations
 
 import io
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
-from conftest import parse_losses, run_cli
+from conftest import parse_losses
 
 from titan_ckpt import load_consolidated
 
@@ -21,7 +25,18 @@ def _rng_states(checkpoint) -> dict:
     }
 
 
-def test_resume_from_a_checkpoint_matches_uninterrupted_run_bitwise(debug_args, tmp_path):
+# The trainer in a CUDA job's process group, with gloo in NCCL's place (see the script).
+GPU_SHAPED = [sys.executable, str(Path(__file__).parent / "gpu_shaped_group.py")]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([*GPU_SHAPED, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_resume_from_an_async_checkpoint_matches_uninterrupted_run_bitwise(debug_args, tmp_path):
+    """The step-3 checkpoint is saved asynchronously, in the process group a CUDA job builds
+    (gloo playing NCCL): a group without a CPU backend, as the trainer built it for CUDA
+    before (NCCL alone), fails that save ("A CPU backend must be enabled for async save")."""
     args = [
         *debug_args,
         "--job.dump_folder",
@@ -37,9 +52,13 @@ def test_resume_from_a_checkpoint_matches_uninterrupted_run_bitwise(debug_args, 
         "--checkpoint.enable",
         "--checkpoint.interval",
         "3",
+        "--checkpoint.async_mode",
+        "async",
     ]
-    whole = run_cli(args)
-    assert whole.returncode == 0, whole.stderr
+    whole = _run(args)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    assert "process group: cuda:nccl,cpu:gloo on CUDA, cuda:gloo,cpu:gloo here" in whole.stdout
+    assert "checkpoint step 3 committed (async)" in whole.stdout
     folder = tmp_path / "run" / "checkpoint"
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step-")) == [
         "step-3",
@@ -50,8 +69,8 @@ def test_resume_from_a_checkpoint_matches_uninterrupted_run_bitwise(debug_args, 
     # position and RNG all come from the checkpoint).
     uninterrupted = tmp_path / "uninterrupted-step-6"
     shutil.move(folder / "step-6", uninterrupted)
-    again = run_cli(args)
-    assert again.returncode == 0, again.stderr
+    again = _run(args)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "resumed at step 3" in again.stdout
     expected = parse_losses(whole.stdout)
     resumed = parse_losses(again.stdout)

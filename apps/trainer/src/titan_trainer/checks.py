@@ -8,6 +8,7 @@ import difflib
 import inspect
 import json
 import os
+import time
 
 import torch
 
@@ -347,6 +348,36 @@ def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
         " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
         " titan_models.attention)"
     ]
+
+
+def block_causal_device_problem(config: JobConfig, device: torch.device) -> str | None:
+    """With block-causal attention: the model family's own check of its attention on this
+    device (`ModelSpec.block_causal_check`: FlexAttention against the dense mask on CUDA), run
+    before training; a message when it fails on any rank, so that no run trains with a mask
+    that lets documents see each other. A family without a check is not checked."""
+    if config.model.attn_mask_type != "block_causal":
+        return None
+    from titan_core import any_rank, device_name, get_logger
+
+    spec = resolve(plugins.MODELS, config.model.name)
+    if spec.block_causal_check is None:
+        return None
+    start = time.perf_counter()
+    problems = spec.block_causal_check(device)
+    if not any_rank(bool(problems)):
+        get_logger("checks").info(
+            "block-causal attention matches its reference on %s (%.1f s)",
+            device,
+            time.perf_counter() - start,
+        )
+        return None
+    said = "\n  ".join(problems) if problems else "(it failed on another rank; see its log)"
+    return (
+        f"[model] attn_mask_type = 'block_causal': {config.model.name}'s block-causal attention"
+        f" on {device_name(device)} (torch {torch.__version__}) does not match the dense"
+        f" mask:\n  {said}\ntraining would let documents attend to each other; use"
+        " attn_mask_type = 'causal' on this machine, or another torch version"
+    )
 
 
 def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):

@@ -42,6 +42,7 @@ from titan_core import (
 )
 from titan_core.distributed import destroy_distributed
 from titan_trainer.checks import (
+    block_causal_device_problem,
     model_args_for,
     optimizer_state_copies,
     parallel_dims_for,
@@ -209,6 +210,9 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
 
     runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
     if config.model.attn_mask_type == "block_causal":  # documents start at BOS
+        problem = block_causal_device_problem(config, info.device)
+        if problem:  # before anything is allocated: never train with a wrong mask
+            raise ConfigError(problem)
         runtime.document_start_id = tokenizer.bos_id
     converters = build_converters(config, dims)
     parts = build_model(config, runtime, tokenizer.vocab_size, converters)

@@ -168,8 +168,10 @@ class CheckpointManager:
                 '[checkpoint] async_executor = "process" needs an initialised torch.distributed process group\n'
                 'use "thread" in a plain single process'
             )
-        if self._dist and self.world_size > 1:
-            # The background writer runs collectives while training runs its own: give it a group.
+        if self._dist and (self.world_size > 1 or not _has_cpu_backend()):
+            # The background writer runs collectives while training runs its own, and DCP's
+            # async save refuses a group without a CPU backend (one made as `nccl` alone, as
+            # a user's own job may be): give it a gloo group of its own.
             self._async_pg = dist.new_group(backend="gloo")
         has_optimizer = isinstance(optimizer, torch.optim.Optimizer)
         self._stager = build_stager(self.config.async_mode, background=has_optimizer)
@@ -587,6 +589,13 @@ class CheckpointManager:
         for items in everyone:
             merged += [item for item in items or [] if item not in merged]
         return merged
+
+
+def _has_cpu_backend() -> bool:
+    """Whether the default process group carries a backend for CPU tensors (gloo beside NCCL,
+    `cuda:nccl,cpu:gloo`, as titan-core's `init_distributed` makes it)."""
+    group = dist.distributed_c10d._get_default_group()
+    return torch.device("cpu") in getattr(group, "_device_types", ())
 
 
 class _Unusable(Exception):

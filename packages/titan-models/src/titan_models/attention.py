@@ -19,6 +19,14 @@ layer calls `attend(q, k, v, mask)`:
   same result exactly, at O(seq^2) memory per sample, which CPU runs can afford.
 
 The mask has no head dimension, so tensor parallel (heads split over ranks) needs nothing more.
+
+`check_block_causal(device)` computes block-causal attention the way a model on `device`
+does (FlexAttention on CUDA) and compares it with the dense mask on the same device, forward
+and backward, in float32 and bfloat16, on a small packed batch whose inputs are drawn on the
+CPU (so every device sees the same numbers). The trainer runs it before training with
+`block_causal` and refuses to train on a device where it fails. On the CPU it can take the
+FlexAttention path too (`flex=True`, forward only), which is how the CUDA path is tested
+without a GPU.
 """
 
 from __future__ import annotations
@@ -51,19 +59,21 @@ class AttentionMask:
     """`[batch, 1, seq, seq]` bool, True where attending is allowed (other devices)."""
 
 
-def build_attention_mask(ids: torch.Tensor | None) -> AttentionMask | None:
-    """The block-causal mask for `document_ids` `ids` (None: plain causal attention)."""
+def build_attention_mask(
+    ids: torch.Tensor | None, *, flex: bool | None = None
+) -> AttentionMask | None:
+    """The block-causal mask for `document_ids` `ids` (None: plain causal attention): a
+    FlexAttention `BlockMask` on CUDA (or wherever `flex` asks for one), else a dense mask."""
     if ids is None:
         return None
     batch, seq = ids.shape
-    if ids.device.type == "cuda":
+    if flex if flex is not None else ids.device.type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        def same_document_and_causal(b, h, q, kv):
-            return (q >= kv) & (ids[b, q] == ids[b, kv])
-
+        # One mask per batch row (B = batch, documents differ between rows), shared by every
+        # head (H = None), built on the device of `ids`, the tensor the mask function reads.
         block_mask = create_block_mask(
-            same_document_and_causal, batch, None, seq, seq, device=ids.device
+            same_document_and_causal(ids), batch, None, seq, seq, device=ids.device
         )
         return AttentionMask(block_mask=block_mask)
     causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
@@ -71,10 +81,22 @@ def build_attention_mask(ids: torch.Tensor | None) -> AttentionMask | None:
     return AttentionMask(dense=(same & causal)[:, None])
 
 
+def same_document_and_causal(ids: torch.Tensor):
+    """FlexAttention's mask function for `document_ids` `ids`: query `q` of batch row `b`
+    sees key `kv` when `kv` is not later and is in the same document."""
+
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (ids[b, q] == ids[b, kv])
+
+    return mask_mod
+
+
 @cache
-def _flex_attention():
+def _flex_attention(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
+    if device_type != "cuda":  # CPU: forward only, and compiling it costs minutes there
+        return flex_attention
     # Compiled once per process: eager FlexAttention materialises the scores and is slow.
     return torch.compile(flex_attention, dynamic=False)
 
@@ -90,5 +112,64 @@ def attend(
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask.block_mask is not None:
-        return _flex_attention()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        flex = _flex_attention(q.device.type)
+        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
+
+
+# The check's batch: two rows with different document boundaries (the mask is per row), the
+# first starting inside a document, 300 positions (two blocks of 128 and a ragged third).
+_CHECK_DOCUMENTS = ((5, 40, 100, 60, 95), (150, 1, 149))
+_CHECK_HEADS, _CHECK_KV_HEADS, _CHECK_HEAD_DIM = 4, 2, 16
+# Largest error allowed, as a fraction of the reference's largest value: float32 kernels sum
+# in other orders (and a GPU may use TF32, ~1e-3 relative); bfloat16 keeps 8 bits (2^-8 =
+# 4e-3 per rounding, a few roundings deep). A mask that lets one document see another moves
+# the result by a good fraction of its scale (the CPU test measures it).
+CHECK_TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+
+
+def check_block_causal(
+    device: torch.device, *, flex: bool | None = None, backward: bool | None = None
+) -> list[str]:
+    """Block-causal attention as a model on `device` computes it (`build_attention_mask` and
+    `attend`: FlexAttention on CUDA), against SDPA with the dense mask on the same device in
+    float32, forward and (by default where the path has one) backward, in float32 and
+    bfloat16. One line per disagreement; empty when it agrees."""
+    device = torch.device(device)
+    flex = device.type == "cuda" if flex is None else flex
+    backward = not (flex and device.type == "cpu") if backward is None else backward
+    ids = torch.cat(
+        [
+            torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+            for lengths in _CHECK_DOCUMENTS
+        ]
+    ).to(device)
+    batch, seq = ids.shape
+    g = torch.Generator().manual_seed(0)  # drawn on the CPU: the same numbers on any device
+    shapes = {"q": _CHECK_HEADS, "k": _CHECK_KV_HEADS, "v": _CHECK_KV_HEADS, "out": _CHECK_HEADS}
+    drawn = {n: torch.randn(batch, h, seq, _CHECK_HEAD_DIM, generator=g) for n, h in shapes.items()}
+    problems = []
+    mask = build_attention_mask(ids, flex=flex)
+    dense = build_attention_mask(ids, flex=False)
+    for dtype, tolerance in CHECK_TOLERANCE.items():
+        inputs = {n: drawn[n].to(device, dtype, copy=True).requires_grad_(backward) for n in "qkv"}
+        ref_inputs = {n: t.detach().float().requires_grad_(backward) for n, t in inputs.items()}
+        with torch.set_grad_enabled(backward):
+            out = attend(*inputs.values(), mask)
+            ref = attend(*ref_inputs.values(), dense)
+        results = {"forward": (out, ref)}
+        if backward:
+            weights = drawn["out"].to(device)
+            (out.float() * weights).sum().backward()
+            (ref * weights).sum().backward()
+            for n in "qkv":
+                results[f"d{n}"] = (inputs[n].grad, ref_inputs[n].grad)
+        for what, (got, want) in results.items():
+            error = (got.float() - want).abs().max().item()
+            scale = want.abs().max().item()
+            if not error <= tolerance * scale:  # also catches NaN
+                problems.append(
+                    f"{dtype} {what}: greatest difference {error:.3g} against the dense mask's"
+                    f" result (largest value {scale:.3g}; allowed {tolerance:g} of it)"
+                )
+    return problems
