@@ -1,15 +1,24 @@
-"""Exact resume through the trainer: a run resumed from its step-N checkpoint repeats the
-uninterrupted run's steps N+1..2N exactly."""
+"""Resume through the trainer: a run resumed from its step-N checkpoint repeats the
+uninterrupted run's steps N+1..2N exactly; a run resumed with a longer schedule runs every step
+at the new schedule's learning rate."""
 
 from __future__ import annotations
 
 import io
+import math
+import os
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
-from conftest import parse_losses, run_cli
+from conftest import Started, parse_losses, run_cli
 
 from titan_ckpt import load_consolidated
+from titan_trainer.plots import read_scalars
 
 
 def _rng_states(checkpoint) -> dict:
@@ -72,3 +81,76 @@ def test_resume_from_a_checkpoint_matches_uninterrupted_run_bitwise(debug_args, 
                 else value == resumed_rng[rank][key]
             )
             assert same, f"{rank} RNG state {key!r} differs after resume"
+
+
+def _cosine_lr(step: int, steps: int, *, peak=3e-3, warmup=2, min_factor=0.1) -> float:
+    """The debug config's schedule written out (linear warm-up over 2 steps, then cosine decay
+    to 0.1 x peak over the rest): the lr of 1-based `step` in a run of `steps` steps."""
+    s = step - 1
+    if s < warmup:
+        return peak * (s + 1) / (warmup + 1)
+    p = (s - warmup + 1) / (steps - warmup)
+    return peak * (min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def _probed_run(args: list[str], lr_file) -> tuple[subprocess.CompletedProcess, list[float]]:
+    """`titan-train ARGS`, with the lr each optimizer step ran at read from the optimizer."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "2",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+        "TITAN_TEST_LR_FILE": str(lr_file),
+    }
+    done = Started([sys.executable, "-m", "lr_probe", *args], env).result(600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, [float(x) for x in lr_file.read_text().split()]
+
+
+def _printed_lrs(stdout: str) -> dict[int, str]:
+    return {
+        int(m.group(1)): m.group(2)
+        for m in re.finditer(r"step +(\d+) \| loss .*? \| lr (\S+) \|", stdout)
+    }
+
+
+def test_a_longer_schedule_applies_from_the_first_resumed_step_and_lines_show_the_lr_used(
+    debug_args, tmp_path
+):
+    """6 steps with checkpoints at 2, 4, 6; step-6 deleted; resumed with 8 steps. Every step
+    runs at the lr of the schedule in force (read from the optimizer just before it steps),
+    and the metric line and TensorBoard show the lr the step ran at, not the next one's."""
+    args = [
+        *debug_args,
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.peak_tflops",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
+    first, first_lrs = _probed_run(
+        [*args, "--training.steps", "6", "--metrics.enable_tensorboard", "false"],
+        tmp_path / "lr1",
+    )
+    expected = [_cosine_lr(s, 6) for s in range(1, 7)]
+    assert first_lrs == pytest.approx(expected, rel=1e-12)  # float64 arithmetic either way
+    assert _printed_lrs(first.stdout) == {s: f"{lr:.1e}" for s, lr in enumerate(expected, 1)}
+
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    again, resumed_lrs = _probed_run([*args, "--training.steps", "8"], tmp_path / "lr2")
+    assert "resumed at step 4" in again.stdout
+    expected = {s: _cosine_lr(s, 8) for s in range(5, 9)}
+    # The old schedule's step 5 (factor 0.2319) is what the first resumed step used to run at.
+    assert _cosine_lr(5, 6) / 3e-3 == pytest.approx(0.2319, abs=1e-4)
+    assert resumed_lrs == pytest.approx(list(expected.values()), rel=1e-12)
+    assert "from step 5 on: lr 0.0006954 there under the old schedule" in again.stdout
+    assert "0.00165 under the new one (factor 0.55)" in again.stdout
+    assert _printed_lrs(again.stdout) == {s: f"{lr:.1e}" for s, lr in expected.items()}
+    scalars = read_scalars(str(tmp_path / "run" / "tb"))["lr"]
+    assert scalars == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32

@@ -432,6 +432,8 @@ class _Window:
     peak_flops: float
     flops_per_token: float
     experts: ExpertLoad
+    lr: float = 0.0
+    """The learning rate the last step ran at (the optimizer holds the next step's)."""
 
 
 def run_steps(run: Run) -> TrainResult:
@@ -490,6 +492,9 @@ def run_steps(run: Run) -> TrainResult:
                 recovered = 0 if run.replicas is None else len(run.replicas.recoveries)
                 # Semi-synchronous groups step alone and synchronise every few steps.
                 every_step = run.replicas if run.semi_sync is None else None
+                # This step's lr comes from the schedule and the step alone, never from what a
+                # loaded checkpoint left in the optimizer's param_groups.
+                run.lr_scheduler.apply()
                 outcome = train_step(
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
                     guard, state.step, replicas=every_step,
@@ -503,6 +508,7 @@ def run_steps(run: Run) -> TrainResult:
                         save_if_due(run, last=False, preempted=True)
                         break
                     continue
+                window.lr = current_lr(run.optimizer)  # the lr this step ran at
                 run.lr_scheduler.step()
                 if state.step == start_step + 1:  # compiled and warmed up: the tight timeout
                     start_training_timeout(config.comm, state.step)
@@ -631,7 +637,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     rows = guard.read()
     run.state.losses.extend(row[1] for row in rows)
     _, loss, grad_norm = rows[-1]
-    values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
+    values = window_metrics(window, loss, grad_norm, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
     by_source = getattr(run.loader, "tokens_by_source", None)
     if by_source and len(by_source) > 1:  # a mixture: tokens the whole job took from each
@@ -683,9 +689,7 @@ def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
         run.checkpointer.save(run.state.step, last_step=last, **forced)
 
 
-def window_metrics(
-    window: _Window, loss, grad_norm, optimizer, dims: ParallelDims
-) -> dict[str, float]:
+def window_metrics(window: _Window, loss, grad_norm, dims: ParallelDims) -> dict[str, float]:
     timer = window.timer
     elapsed = time.perf_counter() - timer.window_start
     # A TP/CP/PP group shares the work on one data-parallel rank's tokens.
@@ -696,7 +700,7 @@ def window_metrics(
     return {
         "loss": loss,
         "grad_norm": grad_norm,
-        "lr": current_lr(optimizer),
+        "lr": window.lr,
         "tokens_per_s": tokens_per_s,
         "tflops": flops / 1e12,
         "mfu_pct": 100.0 * flops / window.peak_flops,
