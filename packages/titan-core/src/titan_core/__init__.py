@@ -5,6 +5,7 @@ import importlib.metadata
 
 from titan_core.config import (
     ConfigError,
+    allow_nonfinite,
     config_to_dict,
     field_docs,
     iter_options,
@@ -81,6 +82,7 @@ __all__ = [
     "Checkpointer",
     "Comm",
     "ConfigError",
+    "allow_nonfinite",
     "Converter",
     "OptimizerFactory",
     "CpuBound",
