@@ -140,8 +140,10 @@ def test_a_second_run_in_a_dump_folder_in_use_is_refused_with_the_holder(preempt
 
 
 def test_a_sigterm_save_is_full_and_resumable_whatever_the_last_save_settings(preempted):
-    assert preempted["first_code"] == 0, preempted["first_log"]
+    # 143 (128 + SIGTERM, as a shell reports it): stopped early, with the checkpoint saved.
+    assert preempted["first_code"] == 143, preempted["first_log"]
     step, record = preempted["step"], preempted["record"]
+    assert f"checkpoint step {step} saved to" in preempted["first_log"]
     folder = preempted["dump"] / "checkpoint" / f"step-{step}"
     assert record["model_only"] is False
     assert {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} <= set(
@@ -205,10 +207,19 @@ def _debug(tmp_path, *extra):
 def test_sigterm_without_checkpointing_does_not_claim_a_save(tmp_path):
     run = Background(_debug(tmp_path, "--training.steps", "500"), tmp_path / "run.log")
     run.wait_for(r"step    1 \|")
-    assert run.stop(signal.SIGTERM) == 0
+    assert run.stop(signal.SIGTERM) == 143
     log = run.log.read_text()
     assert re.search(r"SIGTERM: stopping at step \d+ without a checkpoint", log), log
     assert "saving" not in log
+
+
+def test_ctrl_c_stops_with_exit_status_130(tmp_path):
+    run = Background(_debug(tmp_path, "--training.steps", "500"), tmp_path / "run.log")
+    run.wait_for(r"step    1 \|")
+    assert run.stop(signal.SIGINT) == 130  # 128 + SIGINT, distinct from SIGTERM's 143
+    log = run.log.read_text()
+    assert re.search(r"Ctrl-C: stopped at step \d+", log), log
+    assert "Traceback" not in log
 
 
 def _main(args, capsys) -> tuple[int, str, str]:

@@ -105,6 +105,9 @@ class TrainResult:
     final_step: int
     losses: list[float]
     stopped_early: bool
+    stopped_by: str | None = None
+    """What stopped the run before its last step: "SIGTERM" (after saving a checkpoint when
+    checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -472,6 +475,7 @@ def run_steps(run: Run) -> TrainResult:
     tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
     start_step = state.step
     stopped_early = failed = False
+    stopped_by = None
     gc.disable()
     try:
         with (
@@ -504,7 +508,7 @@ def run_steps(run: Run) -> TrainResult:
                     outcome.committed,
                 ):  # fmt: skip  # discarded on every replica group: attempted again
                     if stop.requested:
-                        stopped_early = True
+                        stopped_early, stopped_by = True, "SIGTERM"
                         save_if_due(run, last=False, preempted=True)
                         break
                     continue
@@ -536,7 +540,7 @@ def run_steps(run: Run) -> TrainResult:
                     profile_step()
                 if stop.requested:
                     state.losses.extend(row[1] for row in guard.read())
-                    stopped_early = True
+                    stopped_early, stopped_by = True, "SIGTERM"
                 save_if_due(run, last=last, preempted=stopped_early)
                 if stopped_early:
                     break
@@ -547,7 +551,7 @@ def run_steps(run: Run) -> TrainResult:
             "Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from",
             state.step,
         )
-        stopped_early = True
+        stopped_early, stopped_by = True, "SIGINT"
     except BaseException:
         failed = True
         raise
@@ -560,7 +564,7 @@ def run_steps(run: Run) -> TrainResult:
             close_loader()
         if run.replicas is not None:  # leaves the quorums; torchft's threads stop
             run.replicas.close()
-    return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
+    return TrainResult(state.step - start_step, state.step, state.losses, stopped_early, stopped_by)
 
 
 def close_checkpointer(checkpointer, after_error: bool) -> None:
