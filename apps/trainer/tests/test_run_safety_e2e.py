@@ -281,6 +281,43 @@ def test_a_bad_row_is_named_by_file_and_line_before_training(tmp_path, capsys):
     assert 'set bad_rows = "skip"' in err and "| loss" not in out
 
 
+def test_data_without_a_text_field_names_the_key_that_sets_it_and_the_key_works(tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text(
+        "".join(f'{{"id": {i}, "body": "document {i} of a few words"}}\n' for i in range(300))
+    )
+    code, out, err = _main(_debug(tmp_path, "--training.dataset", str(path)), capsys)
+    assert code == 1, out + err
+    assert error_of(err).endswith(
+        "has no field 'text'; fields found: 'id', 'body'\n"
+        "       set [training] dataset_text_field to the field that holds the text\n"
+    ), err
+    both = [
+        "--training.dataset",
+        str(path),
+        "--training.dataset_text_field",
+        "body",
+        "--training.steps",
+        "1",
+        "--validation.enable",
+        "--validation.dataset",
+        str(path),
+        "--validation.steps",
+        "1",
+    ]
+    # Training reads `body` now; the validation set has its own key, still `text`.
+    code, out, err = _main(_debug(tmp_path, *both), capsys)
+    assert code == 1, out + err
+    assert "| loss" in out
+    assert error_of(err).startswith(f"titan: error: [validation] dataset '{path}':"), err
+    assert "set [validation] dataset_text_field to the field that holds the text" in err
+    code, out, err = _main(
+        _debug(tmp_path, *both, "--validation.dataset_text_field", "body"), capsys
+    )
+    assert code == 0, out + err
+    assert re.search(r"step +1 \| validation loss \d", out), out
+
+
 @contextlib.contextmanager
 def _read_only(path: Path):
     """chmod for a normal user; root ignores modes, so the immutable attribute for root."""

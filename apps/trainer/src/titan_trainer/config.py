@@ -154,6 +154,9 @@ class Training:
     dataset_path: str | None = None
     """Local copy of the dataset (for `c4` and other hub datasets; a mixture gives each entry
     its own as DATASET=PATH)."""
+    dataset_text_field: str = "text"
+    """The field that holds the text in the rows of jsonl, json and parquet files and of hub
+    datasets named `org/name` (every dataset of a mixture); `c4` and `pydocs` know their own."""
     data_plugin: str = "titan"
     """Package that builds tokenizers and loaders: an entry point in `titan.data` or `module:attr`."""
     bad_rows: Literal["error", "skip"] = "error"
@@ -293,6 +296,9 @@ class Validation:
     held-out data when training on anything else."""
     dataset_path: str | None = None
     """Local copy of the validation dataset."""
+    dataset_text_field: str = "text"
+    """The field that holds the text in the validation dataset's rows (as
+    training.dataset_text_field)."""
     local_batch_size: int = 8
     """Samples per data-parallel rank per validation step."""
     seq_len: int = -1

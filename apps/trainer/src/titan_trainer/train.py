@@ -300,6 +300,7 @@ def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
     kwargs = dict(
         dataset=t.dataset,
         dataset_path=t.dataset_path,
+        text_field=t.dataset_text_field,
         tokenizer=tokenizer,
         seq_len=t.seq_len,
         batch_size=t.local_batch_size,
@@ -660,6 +661,7 @@ def build_validator(run: Run) -> Validator:
     return Validator(
         run.config.validation,
         run.data,
+        run.config.training.data_plugin,
         run.tokenizer,
         dp_rank,
         dp_world,

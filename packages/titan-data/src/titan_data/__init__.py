@@ -16,6 +16,7 @@ _EXPORTS = {
     "HUB_DATASETS": "titan_data.sources",
     "Layout": "titan_data.order",
     "Llama3Tokenizer": "titan_data.llama3_tokenizer",
+    "MissingTextField": "titan_data.errors",
     "Source": "titan_data.sources",
     "TitanDataLoader": "titan_data.loader",
     "TokenShards": "titan_data.token_shards",
@@ -33,6 +34,7 @@ __all__ = [
     "DataError",
     "Layout",
     "Llama3Tokenizer",
+    "MissingTextField",
     "Source",
     "TitanDataLoader",
     "TokenShards",
@@ -61,7 +63,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from titan_data.byte_tokenizer import ByteTokenizer
-    from titan_data.errors import DataError
+    from titan_data.errors import DataError, MissingTextField
     from titan_data.llama3_tokenizer import Llama3Tokenizer
     from titan_data.loader import TitanDataLoader, build_dataloader
     from titan_data.mixture import parse_datasets
