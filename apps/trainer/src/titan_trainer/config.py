@@ -229,9 +229,9 @@ class Metrics:
     """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
     save_plots_folder: str = "plots"
     """At the end of the run, loss, throughput and memory curves as PNG go here (relative to
-    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-trainer[plots])."""
+    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-llm-trainer[plots])."""
     enable_wandb: bool = False
-    """Log the same scalars to Weights & Biases (pip install 'titan-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
+    """Log the same scalars to Weights & Biases (pip install 'titan-llm-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -247,7 +247,7 @@ class Metrics:
             if importlib.util.find_spec("wandb") is None:
                 problems.append(
                     "[metrics] enable_wandb = true, but wandb is not installed\n"
-                    "pip install 'titan-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
+                    "pip install 'titan-llm-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
                 )
         return problems
 

@@ -6,7 +6,7 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING
 
-__version__ = importlib.metadata.version("titan-data")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-data")  # the pyproject's version, one source
 
 # The public API, by the module that defines it. Imported on first use, so that the
 # `titan-data` command (titan_data.cli) starts without torch and `datasets`, which take seconds.
