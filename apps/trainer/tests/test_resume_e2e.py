@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import Started, parse_losses, run_cli
+from conftest import parse_losses, run_cli
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from titan_ckpt import load_consolidated
+from titan_trainer.cli import main as titan_train
 from titan_trainer.plots import read_scalars
 
 
@@ -93,18 +92,34 @@ def _cosine_lr(step: int, steps: int, *, peak=3e-3, warmup=2, min_factor=0.1) ->
     return peak * (min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
-def _probed_run(args: list[str], lr_file) -> tuple[subprocess.CompletedProcess, list[float]]:
-    """`titan-train ARGS`, with the lr each optimizer step ran at read from the optimizer."""
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": "2",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
-        "TITAN_TEST_LR_FILE": str(lr_file),
-    }
-    done = Started([sys.executable, "-m", "lr_probe", *args], env).result(600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done, [float(x) for x in lr_file.read_text().split()]
+def _from_state_dict_init() -> bool:
+    """Whether this optimizer step is torch's DCP `_init_optim_state`, which steps once at lr 0
+    to create the optimizer state before a checkpoint is loaded into it (not a training step)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "_init_optim_state":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _probed_run(args: list[str], capsys) -> tuple[str, list[float]]:
+    """`titan-train ARGS` in this process (its output, and the lr each optimizer step ran at,
+    read from the optimizer just before the step)."""
+    lrs: list[float] = []
+
+    def record(optimizer, *_) -> None:
+        if not _from_state_dict_init():
+            lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        code = titan_train(args)
+    finally:
+        handle.remove()
+    out = capsys.readouterr()
+    assert code == 0, out.out[-3000:] + out.err[-3000:]
+    return out.out + out.err, lrs
 
 
 def _printed_lrs(stdout: str) -> dict[int, str]:
@@ -115,7 +130,7 @@ def _printed_lrs(stdout: str) -> dict[int, str]:
 
 
 def test_a_longer_schedule_applies_from_the_first_resumed_step_and_lines_show_the_lr_used(
-    debug_args, tmp_path
+    debug_args, tmp_path, capsys
 ):
     """6 steps with checkpoints at 2, 4, 6; step-6 deleted; resumed with 8 steps. Every step
     runs at the lr of the schedule in force (read from the optimizer just before it steps),
@@ -135,22 +150,21 @@ def test_a_longer_schedule_applies_from_the_first_resumed_step_and_lines_show_th
         "2",
     ]
     first, first_lrs = _probed_run(
-        [*args, "--training.steps", "6", "--metrics.enable_tensorboard", "false"],
-        tmp_path / "lr1",
+        [*args, "--training.steps", "6", "--metrics.enable_tensorboard", "false"], capsys
     )
     expected = [_cosine_lr(s, 6) for s in range(1, 7)]
     assert first_lrs == pytest.approx(expected, rel=1e-12)  # float64 arithmetic either way
-    assert _printed_lrs(first.stdout) == {s: f"{lr:.1e}" for s, lr in enumerate(expected, 1)}
+    assert _printed_lrs(first) == {s: f"{lr:.1e}" for s, lr in enumerate(expected, 1)}
 
     shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
-    again, resumed_lrs = _probed_run([*args, "--training.steps", "8"], tmp_path / "lr2")
-    assert "resumed at step 4" in again.stdout
+    again, resumed_lrs = _probed_run([*args, "--training.steps", "8"], capsys)
+    assert "resumed at step 4" in again
     expected = {s: _cosine_lr(s, 8) for s in range(5, 9)}
     # The old schedule's step 5 (factor 0.2319) is what the first resumed step used to run at.
     assert _cosine_lr(5, 6) / 3e-3 == pytest.approx(0.2319, abs=1e-4)
     assert resumed_lrs == pytest.approx(list(expected.values()), rel=1e-12)
-    assert "from step 5 on: lr 0.0006954 there under the old schedule" in again.stdout
-    assert "0.00165 under the new one (factor 0.55)" in again.stdout
-    assert _printed_lrs(again.stdout) == {s: f"{lr:.1e}" for s, lr in expected.items()}
+    assert "from step 5 on: lr 0.0006954 there under the old schedule" in again
+    assert "0.00165 under the new one (factor 0.55)" in again
+    assert _printed_lrs(again) == {s: f"{lr:.1e}" for s, lr in expected.items()}
     scalars = read_scalars(str(tmp_path / "run" / "tb"))["lr"]
     assert scalars == pytest.approx(expected, rel=1e-6)  # TensorBoard stores float32

@@ -204,20 +204,24 @@ def _debug(tmp_path, *extra):
     ]
 
 
-def test_sigterm_without_checkpointing_does_not_claim_a_save(tmp_path):
-    run = Background(_debug(tmp_path, "--training.steps", "500"), tmp_path / "run.log")
-    run.wait_for(r"step    1 \|")
-    assert run.stop(signal.SIGTERM) == 143
-    log = run.log.read_text()
+def test_sigterm_and_ctrl_c_stop_with_exit_status_143_and_130(tmp_path):
+    """Two runs side by side (without checkpoints): SIGTERM stops one, which says it saves
+    nothing, with 143; Ctrl-C (SIGINT) the other with 130 (128 + the signal, as a shell
+    reports it); 0 stays for a finished run."""
+    runs = {
+        sig: Background(
+            _debug(tmp_path / sig.name, "--training.steps", "500"), tmp_path / f"{sig.name}.log"
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    for run in runs.values():
+        run.wait_for(r"step    1 \|")
+    codes = {sig: run.stop(sig) for sig, run in runs.items()}
+    assert codes == {signal.SIGTERM: 143, signal.SIGINT: 130}
+    log = runs[signal.SIGTERM].log.read_text()
     assert re.search(r"SIGTERM: stopping at step \d+ without a checkpoint", log), log
     assert "saving" not in log
-
-
-def test_ctrl_c_stops_with_exit_status_130(tmp_path):
-    run = Background(_debug(tmp_path, "--training.steps", "500"), tmp_path / "run.log")
-    run.wait_for(r"step    1 \|")
-    assert run.stop(signal.SIGINT) == 130  # 128 + SIGINT, distinct from SIGTERM's 143
-    log = run.log.read_text()
+    log = runs[signal.SIGINT].log.read_text()
     assert re.search(r"Ctrl-C: stopped at step \d+", log), log
     assert "Traceback" not in log
 
