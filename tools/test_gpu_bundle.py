@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["titan_ckpt", "titan_core", "titan_data", "titan_float8", "titan_models",
-           "titan_parallel", "titan_trainer"]  # fmt: skip
+# Wheel file names carry the distribution names (titan-llm-*), normalised with underscores.
+WHEELS = ["titan_llm_ckpt", "titan_llm_core", "titan_llm_data", "titan_llm_float8",
+          "titan_llm_models", "titan_llm_parallel", "titan_llm_trainer"]  # fmt: skip
 
 
 def test_the_bundle_installs_without_dependencies_and_skips_every_gpu_test_with_its_reason(
@@ -25,7 +26,7 @@ def test_the_bundle_installs_without_dependencies_and_skips_every_gpu_test_with_
         check=True,
         timeout=900,
     )
-    assert sorted(w.name.split("-")[0] for w in (bundle / "wheels").glob("*.whl")) == MODULES
+    assert sorted(w.name.split("-")[0] for w in (bundle / "wheels").glob("*.whl")) == WHEELS
     assert (bundle / "repo" / "apps" / "trainer" / "tests" / "test_gpu.py").is_file()
     assert not list((bundle / "repo").glob("*/*/src"))  # only the wheels can be imported
     # This Python has torch; `uv pip` installs here (uv's environments carry no pip).

@@ -9,6 +9,8 @@
 # MAX_RESTARTS: how often torchrun restarts every rank after one fails (default 0); each restart
 # resumes from the newest complete checkpoint.
 # Extra arguments override the TOML. The run writes under the current folder (job.dump_folder).
+# Exit status: torchrun's, 0 only when every rank finished; a rank that SIGTERM stopped (after
+# saving a checkpoint) exits 143 and one that Ctrl-C stopped 130 (torchrun's report shows them).
 set -euo pipefail
 
 # Resolved the way titan-train resolves it; a name that finds nothing fails here, before torchrun.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_core import ConfigError, load_config
+from titan_core import ConfigError, iter_options, load_config
+from titan_core.config import describe_type
 from titan_trainer.checks import check_config
 from titan_trainer.cli import main
 from titan_trainer.config import JobConfig
@@ -214,3 +215,26 @@ def test_block_causal_attention_is_refused_on_a_device_where_its_check_fails():
         "training would let documents attend to each other; use attn_mask_type = 'causal' on"
         " this machine, or another torch version"
     )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_learning_rate_is_a_config_error_before_anything_starts(value, capsys):
+    assert main(["--optimizer.lr", value]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f'titan: config error: [optimizer] lr = "{value}" is not valid (from --optimizer.lr)\n'
+        "       expected a finite number; the type is float\n"
+    )
+
+
+def test_every_float_key_refuses_nan_and_inf():
+    floats = [
+        name
+        for name, tp, _, _ in iter_options(JobConfig)
+        if describe_type(tp) in ("float", "float or none")
+    ]
+    assert "optimizer.lr" in floats and "training.max_norm" in floats, floats
+    for name in floats:
+        for value in ("nan", "-inf"):
+            with pytest.raises(ConfigError, match="expected a finite number"):
+                load_config(JobConfig, [f"--{name}", value])

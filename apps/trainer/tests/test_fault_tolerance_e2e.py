@@ -366,7 +366,7 @@ def test_fault_tolerance_problems_name_the_fix(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     (problem,) = fault_tolerance_problems(config)
-    assert "pip install 'titan-trainer[ft]'" in problem
+    assert "pip install 'titan-llm-trainer[ft]'" in problem
 
     class Dims:  # a group with 2 data-parallel ranks, this one the second
         def mesh(self, name):

@@ -295,7 +295,7 @@ def device_check_case(world: int) -> dict:
         dp_rank=dp_rank,
         dp_world_size=dp_world,
     )
-    validator = Validator(cfg.validation, data, tokenizer, dp_rank, dp_world, SEQ)
+    validator = Validator(cfg.validation, data, "titan", tokenizer, dp_rank, dp_world, SEQ)
     batches = iter(loader)
     with CollectiveDeviceCheck() as check:
         losses = [

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from conftest import Root, config_error
 
-from titan_core import ConfigError, load_config, render_help, to_toml
+from titan_core import ConfigError, allow_nonfinite, load_config, render_help, to_toml
 from titan_core.config import ConfigCompat
 
 TOML = """
@@ -283,3 +284,50 @@ def test_config_compat_aliases_warns_once_for_unimplemented_and_names_renamed_ke
         ConfigError, match=r"\[train\] n_steps was renamed \(from --train.n_steps\)"
     ):
         load_config(_CompatRoot, ["--train.n_steps", "3"])
+
+
+@dataclasses.dataclass
+class _Limits:
+    scale: float = 1.0
+    """A plain float."""
+    weights: list[float] = dataclasses.field(default_factory=list)
+    """Floats in a list."""
+    limit: float = allow_nonfinite(math.inf)
+    """inf means no limit."""
+
+
+@dataclasses.dataclass
+class _LimitsRoot:
+    limits: _Limits = dataclasses.field(default_factory=_Limits)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN", "Infinity", "1e999"])
+def test_a_float_key_refuses_nan_and_inf_on_the_command_line(text):
+    assert config_error(Root, ["--training.max_norm", text]) == (
+        f'titan: config error: [training] max_norm = "{text}" is not valid (from --training.max_norm)\n'
+        "       expected a finite number; the type is float"
+    )
+    assert "expected a finite number" in config_error(
+        _LimitsRoot, ["--limits.weights", f"1,{text}"]
+    )
+
+
+def test_a_float_key_refuses_nan_and_inf_in_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[limits]\nscale = nan\nweights = [1.0, -inf]\nlimit = inf\n")
+    assert config_error(_LimitsRoot, toml_path=path) == (
+        "titan: config error: [limits] scale = nan is not valid (from c.toml)\n"
+        "       expected a finite number; the type is float\n"
+        "titan: config error: [limits] weights = [1.0, -inf] is not valid (from c.toml)\n"
+        "       expected a finite number; the type is list[float]"
+    )
+
+
+def test_a_key_declared_with_allow_nonfinite_takes_inf_and_round_trips(tmp_path):
+    cfg = load_config(_LimitsRoot, ["--limits.limit", "inf"])
+    assert cfg.limits.limit == math.inf
+    assert load_config(_LimitsRoot, ["--limits.limit", "2.5"]).limits.limit == 2.5
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert "limit = inf" in path.read_text()
+    assert load_config(_LimitsRoot, toml_path=path) == cfg

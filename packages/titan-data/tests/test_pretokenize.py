@@ -216,6 +216,17 @@ def test_a_bad_row_stops_tokenizing_naming_file_and_line_or_is_counted(tmp_path,
     assert json.loads((tmp_path / "s" / MANIFEST).read_text())["skipped_rows"] == 1
 
 
+def test_rows_without_the_text_field_name_the_flag_that_sets_it(tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(f'{{"body": "document {i}"}}\n' for i in range(20)))
+    args = ["tokenize", "--dataset", str(path), "--tokenizer", "byte", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "has no field 'text'; fields found: 'body'" in err
+    assert err.endswith("set --text-field to the field that holds the text\n"), err
+    assert main([*args, "--out", str(tmp_path / "b"), "--text-field", "body"]) == 0
+
+
 def test_a_folder_made_with_other_settings_is_not_overwritten(tokens, corpus, capsys):
     args = ["tokenize", "--dataset", corpus, "--tokenizer", "byte", "--out", str(tokens)]
     assert main([*args, "--shard-tokens", "5000", "--quiet"]) == 2

@@ -10,6 +10,18 @@ import sys
 
 from titan_trainer.shipped import describe_shipped, find_config_file
 
+# Exit statuses (the trainer README's "Exit status"): a shell's 128 + signal number for a run
+# that a signal stopped early, so that `titan-train ... && next-stage` stops there too.
+FINISHED = 0
+ERROR = 1
+"""A problem with the run's data, folders, numbers or peers; one `titan: error:` message."""
+CONFIG_ERROR = 2
+STOPPED_BY_SIGINT = 130
+"""Ctrl-C: stopped at once; the newest complete checkpoint is the one to resume from."""
+STOPPED_BY_SIGTERM = 143
+"""SIGTERM (a scheduler's preemption or time-limit notice): stopped after saving a full
+checkpoint of the current step (when checkpoints are on)."""
+
 MORE_HELP = """
 Also:
   titan-train --list-configs         the configs shipped with titan-trainer and where they are;
@@ -91,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = train(config)
+    except KeyboardInterrupt:  # Ctrl-C before the first step (the steps catch their own)
+        print("titan: stopped by Ctrl-C before training started", file=sys.stderr)
+        return STOPPED_BY_SIGINT
     except ConfigError as e:  # found once the layout is known, before any memory is used
         print(e, file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     except (StartupError, RunFolderError, NonFiniteStepError, CollectiveError) as e:
         # Problems with the run's data, folders, numbers or peers: the message says what to do.
         first, *rest = str(e).split("\n")
@@ -101,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             "\n".join(["titan: error: " + first, *("       " + line for line in rest)]),
             file=sys.stderr,
         )
-        return 1
-    return 130 if result.stopped_early and not result.steps_run else 0
+        return ERROR
+    return {"SIGTERM": STOPPED_BY_SIGTERM, "SIGINT": STOPPED_BY_SIGINT}.get(
+        result.stopped_by, FINISHED
+    )
 
 
 if __name__ == "__main__":

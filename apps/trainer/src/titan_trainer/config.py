@@ -157,6 +157,9 @@ class Training:
     dataset_path: str | None = None
     """Local copy of the dataset (for `c4` and other hub datasets; a mixture gives each entry
     its own as DATASET=PATH)."""
+    dataset_text_field: str = "text"
+    """The field that holds the text in the rows of jsonl, json and parquet files and of hub
+    datasets named `org/name` (every dataset of a mixture); `c4` and `pydocs` know their own."""
     data_plugin: str = "titan"
     """Package that builds tokenizers and loaders: an entry point in `titan.data` or `module:attr`."""
     bad_rows: Literal["error", "skip"] = "error"
@@ -229,9 +232,9 @@ class Metrics:
     """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
     save_plots_folder: str = "plots"
     """At the end of the run, loss, throughput and memory curves as PNG go here (relative to
-    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-trainer[plots])."""
+    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-llm-trainer[plots])."""
     enable_wandb: bool = False
-    """Log the same scalars to Weights & Biases (pip install 'titan-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
+    """Log the same scalars to Weights & Biases (pip install 'titan-llm-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -247,7 +250,7 @@ class Metrics:
             if importlib.util.find_spec("wandb") is None:
                 problems.append(
                     "[metrics] enable_wandb = true, but wandb is not installed\n"
-                    "pip install 'titan-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
+                    "pip install 'titan-llm-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
                 )
         return problems
 
@@ -296,6 +299,9 @@ class Validation:
     held-out data when training on anything else."""
     dataset_path: str | None = None
     """Local copy of the validation dataset."""
+    dataset_text_field: str = "text"
+    """The field that holds the text in the validation dataset's rows (as
+    training.dataset_text_field)."""
     local_batch_size: int = 8
     """Samples per data-parallel rank per validation step."""
     seq_len: int = -1

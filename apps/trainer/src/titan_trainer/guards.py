@@ -61,13 +61,17 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
     return lock
 
 
-def build_checked_loader(data, **kwargs):
+def build_checked_loader(data, section: str = "training", **kwargs):
     """The data plugin's loader; its refusals (no tokens, bad rows, unreadable data) become a
-    StartupError that names the dataset keys."""
+    StartupError that names the dataset keys of `section` ([training] or [validation])."""
     try:
         return data.build_dataloader(**kwargs)
     except (ValueError, FileNotFoundError) as e:
-        raise StartupError(f"[training] dataset {kwargs.get('dataset')!r}: {e}") from e
+        # A plugin's error that can name the setting choosing the text field (titan-data's
+        # MissingTextField) names ours.
+        renamed = getattr(e, "for_option", None)
+        shown = renamed(f"[{section}] dataset_text_field") if callable(renamed) else e
+        raise StartupError(f"[{section}] dataset {kwargs.get('dataset')!r}: {shown}") from e
 
 
 class StepGuard:

@@ -2,7 +2,7 @@
 
 `read_scalars(folder)` reads every event file under a run folder (a resumed run writes one
 TensorBoard folder per start; a later value of a step replaces an earlier one). The curves need
-matplotlib (`pip install 'titan-trainer[plots]'`); without it `matplotlib_missing()` says so and
+matplotlib (`pip install 'titan-llm-trainer[plots]'`); without it `matplotlib_missing()` says so and
 nothing is drawn. Nothing here imports torch.
 """
 
@@ -17,7 +17,7 @@ Series = dict[str, dict[int, float]]
 
 MATPLOTLIB_MISSING = (
     "matplotlib is not installed, so no PNG curves are drawn "
-    "(pip install 'titan-trainer[plots]', or uv sync --extra plots)"
+    "(pip install 'titan-llm-trainer[plots]', or uv sync --extra plots)"
 )
 
 # The curves at the end of every run: file name -> (title, metrics drawn, y label).

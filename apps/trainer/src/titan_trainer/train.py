@@ -107,6 +107,9 @@ class TrainResult:
     final_step: int
     losses: list[float]
     stopped_early: bool
+    stopped_by: str | None = None
+    """What stopped the run before its last step: "SIGTERM" (after saving a checkpoint when
+    checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
 
 
 def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -302,6 +305,7 @@ def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
     kwargs = dict(
         dataset=t.dataset,
         dataset_path=t.dataset_path,
+        text_field=t.dataset_text_field,
         tokenizer=tokenizer,
         seq_len=t.seq_len,
         batch_size=t.local_batch_size,
@@ -452,6 +456,8 @@ class _Window:
     peak_flops: float
     flops_per_token: float
     experts: ExpertLoad
+    lr: float = 0.0
+    """The learning rate the last step ran at (the optimizer holds the next step's)."""
 
 
 def run_steps(run: Run) -> TrainResult:
@@ -490,6 +496,7 @@ def run_steps(run: Run) -> TrainResult:
     tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
     start_step = state.step
     stopped_early = failed = False
+    stopped_by = None
     gc.disable()
     try:
         with (
@@ -510,6 +517,9 @@ def run_steps(run: Run) -> TrainResult:
                 recovered = 0 if run.replicas is None else len(run.replicas.recoveries)
                 # Semi-synchronous groups step alone and synchronise every few steps.
                 every_step = run.replicas if run.semi_sync is None else None
+                # This step's lr comes from the schedule and the step alone, never from what a
+                # loaded checkpoint left in the optimizer's param_groups.
+                run.lr_scheduler.apply()
                 outcome = train_step(
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
                     guard, state.step, replicas=every_step,
@@ -519,10 +529,11 @@ def run_steps(run: Run) -> TrainResult:
                     outcome.committed,
                 ):  # fmt: skip  # discarded on every replica group: attempted again
                     if stop.requested:
-                        stopped_early = True
+                        stopped_early, stopped_by = True, "SIGTERM"
                         save_if_due(run, last=False, preempted=True)
                         break
                     continue
+                window.lr = current_lr(run.optimizer)  # the lr this step ran at
                 run.lr_scheduler.step()
                 if state.step == start_step + 1:  # compiled and warmed up: the tight timeout
                     start_training_timeout(config.comm, state.step)
@@ -550,7 +561,7 @@ def run_steps(run: Run) -> TrainResult:
                     profile_step()
                 if stop.requested:
                     state.losses.extend(row[1] for row in guard.read())
-                    stopped_early = True
+                    stopped_early, stopped_by = True, "SIGTERM"
                 save_if_due(run, last=last, preempted=stopped_early)
                 if stopped_early:
                     break
@@ -561,7 +572,7 @@ def run_steps(run: Run) -> TrainResult:
             "Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from",
             state.step,
         )
-        stopped_early = True
+        stopped_early, stopped_by = True, "SIGINT"
     except BaseException:
         failed = True
         raise
@@ -574,7 +585,7 @@ def run_steps(run: Run) -> TrainResult:
             close_loader()
         if run.replicas is not None:  # leaves the quorums; torchft's threads stop
             run.replicas.close()
-    return TrainResult(state.step - start_step, state.step, state.losses, stopped_early)
+    return TrainResult(state.step - start_step, state.step, state.losses, stopped_early, stopped_by)
 
 
 def close_checkpointer(checkpointer, after_error: bool) -> None:
@@ -651,7 +662,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     rows = guard.read()
     run.state.losses.extend(row[1] for row in rows)
     _, loss, grad_norm = rows[-1]
-    values = window_metrics(window, loss, grad_norm, run.optimizer, run.dims)
+    values = window_metrics(window, loss, grad_norm, run.dims)
     values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
     by_source = getattr(run.loader, "tokens_by_source", None)
     if by_source and len(by_source) > 1:  # a mixture: tokens the whole job took from each
@@ -670,6 +681,7 @@ def build_validator(run: Run) -> Validator:
     return Validator(
         run.config.validation,
         run.data,
+        run.config.training.data_plugin,
         run.tokenizer,
         dp_rank,
         dp_world,
@@ -703,9 +715,7 @@ def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
         run.checkpointer.save(run.state.step, last_step=last, **forced)
 
 
-def window_metrics(
-    window: _Window, loss, grad_norm, optimizer, dims: ParallelDims
-) -> dict[str, float]:
+def window_metrics(window: _Window, loss, grad_norm, dims: ParallelDims) -> dict[str, float]:
     timer = window.timer
     elapsed = time.perf_counter() - timer.window_start
     # A TP/CP/PP group shares the work on one data-parallel rank's tokens.
@@ -716,7 +726,7 @@ def window_metrics(
     return {
         "loss": loss,
         "grad_norm": grad_norm,
-        "lr": current_lr(optimizer),
+        "lr": window.lr,
         "tokens_per_s": tokens_per_s,
         "tflops": flops / 1e12,
         "mfu_pct": 100.0 * flops / window.peak_flops,

@@ -20,7 +20,7 @@ from titan_ckpt.preflight import check_loadable
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.states import ModelState, OptimizerState
 
-__version__ = importlib.metadata.version("titan-ckpt")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-ckpt")  # the pyproject's version, one source
 
 __all__ = [
     "check_loadable",

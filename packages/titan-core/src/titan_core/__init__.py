@@ -5,6 +5,7 @@ import importlib.metadata
 
 from titan_core.config import (
     ConfigError,
+    allow_nonfinite,
     config_to_dict,
     field_docs,
     iter_options,
@@ -69,7 +70,7 @@ from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 from titan_core.sections import Comm, Job
 from titan_core.seed import set_seed
 
-__version__ = importlib.metadata.version("titan-core")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-core")  # the pyproject's version, one source
 
 __all__ = [
     "DEVICE_MEMORY_GIB",
@@ -81,6 +82,7 @@ __all__ = [
     "Checkpointer",
     "Comm",
     "ConfigError",
+    "allow_nonfinite",
     "Converter",
     "OptimizerFactory",
     "CpuBound",

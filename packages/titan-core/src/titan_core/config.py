@@ -8,7 +8,10 @@ Precedence is CLI > TOML > defaults. Every problem is reported at once, before a
 starts, as a `ConfigError` naming the key, the value, what is allowed and, where a name is
 close, what the user probably meant.
 
-A field's docstring (the string literal right under it) is its `--help` text.
+A field's docstring (the string literal right under it) is its `--help` text. A float field
+takes finite numbers only (`nan` and `inf` parse as floats, in TOML and on the command line,
+and would reach the run as a number); a field where inf or nan means something is declared with
+`allow_nonfinite(default)`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ from typing import Any, Literal, TypeVar
 T = TypeVar("T")
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--config")
+
+_NONFINITE_OK = "titan_allow_nonfinite"
+
+
+def allow_nonfinite(default: Any) -> Any:
+    """A float field (or list of floats) that also takes nan, inf and -inf, for a setting where
+    one of them means something (say inf for "no limit"): `limit: float = allow_nonfinite(inf)`.
+    Every other float field refuses them."""
+    return dataclasses.field(default=default, metadata={_NONFINITE_OK: True})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +158,9 @@ class _BadValue(Exception):
     pass
 
 
-def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
-    """Turn a TOML value (typed) or a CLI string into a value of type `tp`, or raise _BadValue."""
+def _coerce(value: Any, tp: Any, from_cli: bool, finite: bool = True) -> Any:
+    """Turn a TOML value (typed) or a CLI string into a value of type `tp`, or raise _BadValue.
+    With `finite`, a float must be finite."""
     tp, optional = _strip_optional(tp)
     if optional and (value is None or (from_cli and value.lower() in ("none", "null"))):
         return None
@@ -171,12 +184,12 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
                     items = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise _BadValue(f"expected a list such as [1, 2] or a,b ({e.msg})") from None
-                return [_coerce(v, inner, False) for v in items]
+                return [_coerce(v, inner, False, finite) for v in items]
             items = [s.strip() for s in text.split(",")] if text else []
-            return [_coerce(v, inner, True) for v in items]
+            return [_coerce(v, inner, True, finite) for v in items]
         if not isinstance(value, list):
             raise _BadValue("expected a list")
-        return [_coerce(v, inner, False) for v in value]
+        return [_coerce(v, inner, False, finite) for v in value]
     if tp is bool:
         if from_cli:
             lowered = value.lower()
@@ -199,12 +212,16 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     if tp is float:
         if from_cli:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise _BadValue("expected a number") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _BadValue("expected a number")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        else:
+            raise _BadValue("expected a number")
+        if finite and not math.isfinite(number):
+            raise _BadValue("expected a finite number")
+        return number
     if tp is str:
         if from_cli or isinstance(value, str):
             return value
@@ -263,7 +280,8 @@ def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: l
             problems.append(f"{_section_label(path)} {key} is a value, not a section{_where(item)}")
             continue
         try:
-            kwargs[key] = _coerce(item.value, tp, item.from_cli)
+            finite = not fields[key].metadata.get(_NONFINITE_OK, False)
+            kwargs[key] = _coerce(item.value, tp, item.from_cli, finite)
         except _BadValue as e:
             shown = json.dumps(item.value) if item.from_cli else _show(item.value)
             reason = (

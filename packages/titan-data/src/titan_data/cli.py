@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from titan_data.errors import DataError
+from titan_data.errors import DataError, MissingTextField
 
 
 def _workers_default() -> int:
@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             return _tokenize(args)
         return _info(args.folder)
     except (DataError, ValueError, FileNotFoundError) as e:
+        if isinstance(e, MissingTextField):
+            e = e.for_option("--text-field")
         print(f"titan-data: error: {e}", file=sys.stderr)
         return 2
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from titan_data.errors import DataError
+from titan_data.errors import DataError, MissingTextField
 from titan_data.pydocs import pydocs_documents
 from titan_data.readers import DatasetsReader, LineReader, ListReader, Reader, ReadError
 from titan_data.token_shards import TokenShards, is_token_folder
@@ -290,7 +290,4 @@ def check_source(source: Source | TokenShards) -> None:
     if first is None:
         raise DataError(f"dataset {source.name} ({source.description}) is empty")
     if first.bad and ": has no field " in first.bad:  # on the first row: most likely the field
-        raise DataError(
-            f"dataset {source.name} ({source.description}): {first.bad}; "
-            "set text_field to the field that holds the text"
-        )
+        raise MissingTextField(f"dataset {source.name} ({source.description}): {first.bad}")

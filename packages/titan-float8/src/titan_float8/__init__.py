@@ -8,7 +8,7 @@ from titan_float8.filters import skip_reason, too_small_for_float8
 from titan_float8.hardware import float8_hardware_problem
 from titan_float8.tensor_parallel import float8_tp_styles
 
-__version__ = importlib.metadata.version("titan-float8")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-float8")  # the pyproject's version, one source
 
 __all__ = [
     "Float8",

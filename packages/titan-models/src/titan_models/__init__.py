@@ -14,7 +14,7 @@ from titan_models.llama3 import (
     llama_param_count,
 )
 
-__version__ = importlib.metadata.version("titan-models")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-models")  # the pyproject's version, one source
 
 __all__ = [
     "KVCache",

@@ -105,7 +105,7 @@ class Llama4HFAdapter:
                     raise ValueError(
                         f"Llama4HFAdapter.to_hf: layer {layer} has a non-zero expert bias, which"
                         " Hugging Face's Llama 4 cannot hold (its routing would change); train with"
-                        " [model] load_balance_coeff off (the Llama 4 flavors' default)"
+                        " a flavor whose load_balance_coeff is None (the Llama 4 flavors' default)"
                     )
             else:
                 raise KeyError(f"Llama4HFAdapter.to_hf: no Hugging Face name for {name!r}")

@@ -92,7 +92,7 @@ class Qwen3HFAdapter:
                     raise ValueError(
                         f"Qwen3HFAdapter.to_hf: layer {layer} has a non-zero expert bias, which"
                         " Hugging Face's Qwen3-MoE cannot hold (its routing would change); train"
-                        " with [model] load_balance_coeff off (the Qwen3-MoE flavors' default)"
+                        " with a flavor whose load_balance_coeff is None (the Qwen3-MoE flavors' default)"
                     )
             else:
                 raise KeyError(f"Qwen3HFAdapter.to_hf: no Hugging Face name for {name!r}")
