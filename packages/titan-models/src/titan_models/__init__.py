@@ -2,7 +2,9 @@
 
 import importlib.metadata
 
+from titan_models.decoder import Decoder, DecoderBlock
 from titan_models.generation import KVCache, Sampling, generate, next_token
+from titan_models.hf_adapter import DecoderHFAdapter
 from titan_models.llama3 import (
     LlamaArgs,
     LlamaHFAdapter,
@@ -17,6 +19,9 @@ from titan_models.llama3 import (
 __version__ = importlib.metadata.version("titan-models")  # the pyproject's version, one source
 
 __all__ = [
+    "Decoder",
+    "DecoderBlock",
+    "DecoderHFAdapter",
     "KVCache",
     "Sampling",
     "generate",
