@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from titan_models.attention import GroupedQueryAttention
 from titan_models.decoder import Decoder, DecoderBlock
 from titan_models.generation import KVCache, Sampling, generate, next_token
 from titan_models.hf_adapter import DecoderHFAdapter
@@ -22,6 +23,7 @@ __all__ = [
     "Decoder",
     "DecoderBlock",
     "DecoderHFAdapter",
+    "GroupedQueryAttention",
     "KVCache",
     "Sampling",
     "generate",
