@@ -1,4 +1,10 @@
-"""Causal attention, or block-causal attention over packed documents, for every model family.
+"""Attention for every model family: the grouped-query attention module most of them build on,
+and causal or block-causal attention over packed documents.
+
+`GroupedQueryAttention` is Llama 3's attention (wq, wk, wv -> rotary embedding -> causal
+attention -> wo, k and v with fewer heads than q); a family changes one step by overriding it:
+how queries and keys get their positions (`position`: Qwen3's QK-norm and rotate-half, Llama
+4's global blocks), or how they attend (`attend`, `attend_cached`: Llama 4's chunks).
 
 A packed training sample holds several documents one after another. With plain causal
 attention a token attends to the end of the previous document too; with block-causal
@@ -37,6 +43,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from titan_core.init import ParamInit
+from titan_core.protocols import TPStyle
+from titan_models.generation import LayerCache, causal_mask
+from titan_models.rope import apply_rope
 
 AttnMaskType = Literal["causal", "block_causal"]
 ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
@@ -173,3 +185,75 @@ def check_block_causal(
                     f" result (largest value {scale:.3g}; allowed {tolerance:g} of it)"
                 )
     return problems
+
+
+class GroupedQueryAttention(nn.Module):
+    """Llama 3's attention, built as `GroupedQueryAttention(layer_id, args)` from any args with
+    `dim`, `n_heads`, `kv_heads` and `head_dim`.
+
+    Heads are reshaped with -1, so tensor parallel can shard them (both head counts alike).
+    `forward(x, *tables, kv_cache=None, start=0, mask=None)`: `tables` are the rows of the
+    model's position tables for x's positions (the rotary table, in `position`). With
+    `kv_cache` (generation) x's positions start at `start` and attend to the cached ones
+    before them too; `mask` (training on packed documents) makes the attention block-causal.
+    """
+
+    def __init__(self, layer_id: int, args) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads  # unchanged by TP: both head counts are sharded
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    @classmethod
+    def init_plan(cls, args, std: float, out_std: float) -> dict[str, ParamInit]:
+        """How the parameters start, by name relative to the attention: `out_std` for `wo`
+        (it writes into the residual stream), `std` for the rest."""
+        plan = {f"{n}.weight": ParamInit.truncated(std) for n in ("wq", "wk", "wv")}
+        return plan | {"wo.weight": ParamInit.truncated(out_std)}
+
+    @classmethod
+    def tp_plan(cls, args) -> dict[str, TPStyle]:
+        """How tensor parallel splits it, by name relative to the attention: by heads."""
+        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+
+    @classmethod
+    def divisible_by_tp(cls, args) -> dict[str, int]:
+        return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads}
+
+    def position(self, q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor):
+        """Queries and keys `[batch, seq, heads, head_dim]` with their positions: Meta's
+        interleaved rotary embedding."""
+        return apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+
+    def attend(self, q, k, v, mask: AttentionMask | None) -> torch.Tensor:
+        """Training: `[batch, heads, seq, head_dim]`, causal or block-causal under `mask`."""
+        return attend(q, k, v, mask)
+
+    def attend_cached(self, q, k, v, start: int) -> torch.Tensor:
+        """Generation: queries at `start`.. against every cached key up to their own."""
+        mask = causal_mask(start, q.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_rep > 1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *tables: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        start: int = 0,
+        mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = self.position(q, k, *tables)
+        if kv_cache is not None:
+            k, v = kv_cache.update(start, k, v)
+        # [batch, heads, seq, head_dim]; kv head i serves query heads i*n_rep .. (i+1)*n_rep-1,
+        # which the attention kernels read in place (no repeated copy of k and v).
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.attend(q, k, v, mask) if kv_cache is None else self.attend_cached(q, k, v, start)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
