@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.futures import Future
+
+from titan_ckpt.integrity import CorruptDataError, checked_while_read, pieces_in, verify_pieces
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -78,7 +83,17 @@ def read_metadata_file(path: str | Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader with `.metadata` read by `read_metadata_file`."""
+    """torch's FileSystemReader with `.metadata` read by `read_metadata_file`.
+
+    With `checksums` (the marker's {file: checksum entry}), the pieces of the data files that
+    a read plan touches are hashed in a thread of its own while DCP reads them, and the read
+    fails with CorruptDataError, naming the file and the bytes, when any differs. Corrupt bytes
+    may reach the (weights_only) deserialiser before the verdict: the caller treats the states
+    it read into as touched, as after any failed read."""
+
+    def __init__(self, path: str, checksums: Mapping[str, Mapping[str, Any]] | None = None):
+        super().__init__(path)
+        self.checksums = checksums
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
@@ -86,6 +101,55 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Future:
+        if self.checksums is None:
+            return super().read_data(plan, planner)
+        verdict: list[str] = []
+        checker = threading.Thread(
+            target=self._check_into, args=(plan, verdict), name="titan-ckpt-verify"
+        )
+        checker.start()
+        try:
+            done = super().read_data(plan, planner)
+        except BaseException as e:
+            checker.join()
+            if verdict:  # the reason the read failed, most likely
+                raise CorruptDataError(verdict[0]) from e
+            raise
+        checker.join()
+        if verdict:
+            raise CorruptDataError("; ".join(verdict))
+        return done
+
+    def _check_into(self, plan: Any, verdict: list[str]) -> None:
+        try:
+            verdict.extend(self._check(plan))
+        except Exception as e:  # noqa: BLE001 - an unchecked read must never pass as checked
+            verdict.append(f"its checksums could not be checked ({e!r})")
+
+    def _check(self, plan: Any) -> list[str]:
+        wanted: dict[str, set[int]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            entry = self.checksums.get(info.relative_path)
+            if entry is None:
+                return [f"{info.relative_path} has no checksum in the commit marker"]
+            if checked_while_read(entry):
+                wanted.setdefault(info.relative_path, set()).update(
+                    pieces_in(entry["pieces"], info.offset, info.length)
+                )
+        problems = []
+        for name, which in sorted(wanted.items()):
+            try:
+                problem = verify_pieces(
+                    Path(self.path) / name, self.checksums[name]["pieces"], which
+                )
+            except OSError as e:
+                problem = f"cannot be read: {e.strerror}"
+            if problem:
+                problems.append(f"{name} {problem}")
+        return problems
 
 
 def load_plain(data: bytes | io.BytesIO, what: str) -> Any:

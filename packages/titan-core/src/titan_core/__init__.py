@@ -50,6 +50,7 @@ from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
     GLOBAL_STATE,
     Checkpointer,
+    CheckpointError,
     Converter,
     DataSpec,
     ExpertSplit,
@@ -80,6 +81,7 @@ __all__ = [
     "PEAK_TFLOPS",
     "Checkpointer",
     "Comm",
+    "CheckpointError",
     "ConfigError",
     "Converter",
     "OptimizerFactory",
