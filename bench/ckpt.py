@@ -6,7 +6,7 @@ load) against DCP's plain read, printed as JSON lines. Ratios with a target say 
 met it (`met`).
 
     uv run --no-sync python bench/ckpt.py [--mb 200] [--saves 3] [--interval 5] [--dir /tmp]
-    uv run --no-sync python bench/ckpt.py --only checksums --mb 683 --saves 5
+    uv run --no-sync python bench/ckpt.py --only checksums --mb 64,200,683 --saves 5
 
 The training loop is real (forward, backward, step) so that an async save's background copy and
 write overlap with compute as they would in a run. Blocking time of an async save = the save()
@@ -241,7 +241,10 @@ def async_rows(mode: str, asyn: list[dict], interval: int, sync_s: float, step_s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--mb", type=int, default=200, help="model size; the checkpoint is 3x with AdamW"
+        "--mb",
+        default="200",
+        help="model size in MB, or several separated by commas (each measured in turn); the"
+        " checkpoint is 3x with AdamW",
     )
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
@@ -253,7 +256,12 @@ def main() -> None:
         "--only", choices=["checksums"], default=None, help="run only the checksum comparison"
     )
     args = parser.parse_args()
-    model, _ = build(args.mb)
+    for megabytes in (int(mb) for mb in args.mb.split(",")):
+        measure(megabytes, args)
+
+
+def measure(megabytes: int, args: argparse.Namespace) -> None:
+    model, _ = build(megabytes)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     common = {
@@ -265,7 +273,7 @@ def main() -> None:
         "interval": args.interval,
     }
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        for row in checksum_cost(folder, args.mb, args.saves):
+        for row in checksum_cost(folder, megabytes, args.saves):
             print(json.dumps({**common, **row}), flush=True)
     if args.only == "checksums":
         return
@@ -273,16 +281,16 @@ def main() -> None:
         tempfile.TemporaryDirectory(dir=args.dir) as sync_dir,
         tempfile.TemporaryDirectory(dir=args.dir) as async_dir,
     ):
-        plain = train(sync_dir, args.mb, None, args.saves, args.batch, args.interval)
-        sync = train(sync_dir, args.mb, "disabled", args.saves, args.batch, args.interval)
+        plain = train(sync_dir, megabytes, None, args.saves, args.batch, args.interval)
+        sync = train(sync_dir, megabytes, "disabled", args.saves, args.batch, args.interval)
         # Pinned host buffers need CUDA: the staging copy then runs without blocking the GPU.
         modes = ["async"] + (["async_with_pinned_mem"] if DEVICE.type == "cuda" else [])
         runs = {
-            m: train(async_dir, args.mb, m, args.saves, args.batch, args.interval) for m in modes
+            m: train(async_dir, megabytes, m, args.saves, args.batch, args.interval) for m in modes
         }
         loads = []
         for _ in range(args.saves):
-            fresh, opt = build(args.mb)
+            fresh, opt = build(megabytes)
             manager = CheckpointManager(
                 Checkpoint(enable=True),
                 {"model": fresh, "optimizer": opt, "train_state": Step()},

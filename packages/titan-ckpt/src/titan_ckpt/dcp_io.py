@@ -86,10 +86,14 @@ def checkpoint_problems(
     problems = verify_files(path, {".metadata": files[".metadata"]})
     if problems:
         return problems
-    problems = _metadata_problems(path)
+    metadata, problems = _read_metadata(path)
     if problems:
         return problems
-    held = {p.name for p in path.glob("*.distcp")} | _data_files(path)
+    held = {p.name for p in path.glob("*.distcp")} | {
+        info.relative_path
+        for info in (metadata.storage_data or {}).values()
+        if hasattr(info, "relative_path")  # the files `.metadata` says hold the saved items
+    }
     unrecorded = sorted(held - set(files))
     if unrecorded:
         return [_unrecorded(unrecorded)]
@@ -123,21 +127,15 @@ def _unrecorded(names: list[str]) -> str:
 
 
 def _metadata_problems(path: Path) -> list[str]:
+    return _read_metadata(path)[1]
+
+
+def _read_metadata(path: Path) -> tuple[Any, list[str]]:
+    """`.metadata` read without running code, or why it cannot be."""
     try:
-        read_metadata_file(path / ".metadata")
+        return read_metadata_file(path / ".metadata"), []
     except Exception as e:  # noqa: BLE001 - any failure to read it is the problem
-        return [str(e) if str(e) else type(e).__name__]
-    return []
-
-
-def _data_files(path: Path) -> set[str]:
-    """The files `.metadata` says hold the saved items."""
-    metadata = read_metadata_file(path / ".metadata")
-    return {
-        info.relative_path
-        for info in (metadata.storage_data or {}).values()
-        if hasattr(info, "relative_path")
-    }
+        return None, [str(e) if str(e) else type(e).__name__]
 
 
 def checksums_to_check_while_reading(path: str | Path) -> dict[str, Any] | None:

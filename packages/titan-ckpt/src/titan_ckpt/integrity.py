@@ -7,9 +7,10 @@ Checksums cost almost nothing because they are computed on bytes already in moti
   is hashed in pieces that end where DCP ends an item (at least `PIECE_BYTES` each), so that a
   load that reads only some items (another layout, one state) can check just those. Each rank
   leaves `<file>.sum.json` next to each of its files; the commit moves them into the marker.
-- **Loading.** `verify_pieces` checks the pieces that a DCP read plan touches, in a thread of
-  its own while DCP reads them (see safe_read.SafeFileSystemReader): every byte a resume uses
-  has matched its checksum once the load returns, and none is hashed twice.
+- **Loading.** `PieceVerifier` checks the pieces that a DCP read plan touches, in a thread of
+  its own, each right after DCP has read it (see safe_read.SafeFileSystemReader): from the
+  page cache, so the bytes come off the disk once; every byte a resume uses has matched its
+  checksum once the load returns.
 - **Offline.** `verify_files` checks whole files (`titan-ckpt verify`).
 
 Markers written by earlier versions hold one SHA-256 per file (`{"bytes": n, "sha256": hex}`);
@@ -23,7 +24,10 @@ import json
 import math
 import mmap
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,8 @@ LEGACY_ALGORITHM = "sha256"
 PIECE_BYTES = 1 << 20
 """A data file's pieces are at least this long (except the last): a marker holds at most one
 entry per MiB, and a partial read checks at most a MiB on either side of what it reads."""
+OVERLAP_BYTES = 1 << 20
+"""Writes at least this long are hashed by a second thread while they are written."""
 SUM_SUFFIX = ".sum.json"
 """Side file `<data file>.sum.json` a rank writes next to each data file; merged at commit."""
 
@@ -54,20 +60,34 @@ def _digest(data: Any) -> str:
 
 # ----------------------------------------------------------------------------- saving
 class _HashingStream:
-    """A file DCP writes through: every byte is hashed on its way to the file. DCP asks for
-    the position (`tell`) before and after each item; a piece ends there once it is long
+    """A file DCP writes through: every byte is hashed on its way to the file, a large write
+    by a thread of the stream's own while this thread writes it (both release the GIL, and
+    the write returns only once both are done, so the caller's buffer outlives them). DCP asks
+    for the position (`tell`) before and after each item; a piece ends there once it is long
     enough."""
 
     def __init__(self, file: Any):
         self._file = file
         self._hash = xxhash.xxh3_128()
         self._start = self._pos = 0
+        self._hasher: ThreadPoolExecutor | None = None
         self.pieces: list[list[Any]] = []
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self._file.write(view)
-        self._hash.update(view[:written])
+        if view.nbytes < OVERLAP_BYTES:
+            written = self._file.write(view)
+            self._hash.update(view[:written])
+        else:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="titan-ckpt-hash")
+            hashed = self._hasher.submit(self._hash.update, view)
+            try:
+                written = self._file.write(view)
+            finally:
+                hashed.result()
+            if written != view.nbytes:  # never for a buffered file: it writes all or raises
+                raise OSError(f"short write of {written} of {view.nbytes} bytes")
         self._pos += written
         return written
 
@@ -97,6 +117,12 @@ class _HashingStream:
 
     def close(self) -> None:
         self._file.close()
+        self.stop()
+
+    def stop(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
 
 
 class _HashingFileSystem(FileSystem):
@@ -111,7 +137,10 @@ class _HashingFileSystem(FileSystem):
             return
         with path.open("wb") as file:
             stream = _HashingStream(file)
-            yield stream
+            try:
+                yield stream
+            finally:
+                stream.stop()
         # Written and synced by DCP: record what it holds (not reached if the write failed).
         # No fsync: the sums reach the disk in the commit marker, which is synced, and a save
         # that dies before its commit is discarded whatever its side files hold.
@@ -272,12 +301,110 @@ def verify_pieces(path: Path, pieces: list[list[Any]], which: Iterable[int]) -> 
     return None
 
 
-def pieces_in(pieces: list[list[Any]], start: int, length: int) -> range:
-    """Indices of the pieces that hold any of the bytes [start, start + length)."""
-    starts = [piece[0] for piece in pieces]
+def pieces_in(starts: list[int], start: int, length: int) -> range:
+    """Indices of the pieces (starting at `starts`, sorted) that hold any of the bytes
+    [start, start + length)."""
     first = max(0, bisect.bisect_right(starts, start) - 1)
     last = bisect.bisect_left(starts, start + max(length, 1))
     return range(first, last)
+
+
+class PieceVerifier(threading.Thread):
+    """Checks the pieces of the data files that a read plan touches, in a thread of its own,
+    each right after the reader is done with it (while its bytes are still in the page cache):
+    the reader reports every item it moves on from (`item_read`), and a piece is hashed once
+    every item the plan reads from it was reported. Pieces never reported (a reader that does
+    not report, or one that failed) are hashed when the read is over (`finish`).
+
+    `items` are the (file, offset, length) of the plan's read items, with repeats."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        checksums: Mapping[str, Mapping[str, Any]],
+        items: Iterable[tuple[str, int, int]],
+    ):
+        super().__init__(name="titan-ckpt-verify", daemon=True)
+        self.folder = Path(folder)
+        self.checksums = checksums
+        self.problems: list[str] = []
+        self._starts: dict[str, list[int]] = {}
+        self._pending: dict[tuple[str, int], int] = {}
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._maps: dict[str, tuple[Any, mmap.mmap, memoryview]] = {}
+        for name, offset, length in items:
+            entry = checksums.get(name)
+            if entry is None:
+                self.problems.append(f"{name} has no checksum in the commit marker")
+                continue
+            if checked_while_read(entry):
+                for piece in self._pieces(name, offset, length):
+                    self._pending[piece] = self._pending.get(piece, 0) + 1
+
+    def _pieces(self, name: str, offset: int, length: int) -> Iterator[tuple[str, int]]:
+        starts = self._starts.get(name)
+        if starts is None:
+            starts = self._starts[name] = [piece[0] for piece in self.checksums[name]["pieces"]]
+        for i in pieces_in(starts, offset, length):
+            yield name, i
+
+    def item_read(self, name: str, offset: int, length: int) -> None:
+        self._events.put((name, offset, length))
+
+    def finish(self) -> list[str]:
+        """Hash what was not yet, wait, and return the problems found."""
+        self._events.put(None)
+        self.join()
+        return self.problems
+
+    def run(self) -> None:
+        try:
+            while (event := self._events.get()) is not None:
+                name, offset, length = event
+                if name not in self._starts:
+                    continue  # not a file this plan checks
+                for piece in self._pieces(name, offset, length):
+                    left = self._pending.get(piece)
+                    if left is not None:
+                        self._pending[piece] = left - 1
+                        if left == 1:
+                            self._check(piece)
+            for piece, left in sorted(self._pending.items()):
+                if left > 0:
+                    self._check(piece)
+        except Exception as e:  # noqa: BLE001 - an unchecked read must never pass as checked
+            self.problems.append(f"its checksums could not be checked ({e!r})")
+        finally:
+            for file, mapped, view in self._maps.values():
+                view.release()
+                mapped.close()
+                file.close()
+
+    def _check(self, piece: tuple[str, int]) -> None:
+        name, i = piece
+        self._pending[piece] = 0
+        start, length, digest = self.checksums[name]["pieces"][i]
+        try:
+            view = self._view(name)
+        except OSError as e:
+            self.problems.append(f"{name} cannot be read: {e.strerror}")
+            return
+        chunk = view[start : start + length]
+        ok = _digest(chunk) == digest
+        chunk.release()
+        if not ok:
+            self.problems.append(f"{name} {mismatch(ALGORITHM, start, length)}")
+
+    def _view(self, name: str) -> memoryview:
+        if name not in self._maps:
+            file = open(self.folder / name, "rb")  # noqa: SIM115 - closed when the thread ends
+            try:
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            except BaseException:
+                file.close()
+                raise
+            self._maps[name] = (file, mapped, memoryview(mapped))
+        return self._maps[name][2]
 
 
 # ----------------------------------------------------------------------------- values

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
-from titan_ckpt.integrity import CorruptDataError, checked_while_read, pieces_in, verify_pieces
+from titan_ckpt.integrity import CorruptDataError, PieceVerifier
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -86,14 +85,17 @@ class SafeFileSystemReader(FileSystemReader):
     """torch's FileSystemReader with `.metadata` read by `read_metadata_file`.
 
     With `checksums` (the marker's {file: checksum entry}), the pieces of the data files that
-    a read plan touches are hashed in a thread of its own while DCP reads them, and the read
-    fails with CorruptDataError, naming the file and the bytes, when any differs. Corrupt bytes
-    may reach the (weights_only) deserialiser before the verdict: the caller treats the states
-    it read into as touched, as after any failed read."""
+    a read plan touches are hashed by a thread of their own (`PieceVerifier`), each as soon as
+    DCP has moved on from the items it reads there, and the read fails with CorruptDataError,
+    naming the file and the bytes, when any differs. Corrupt bytes may reach the weights_only
+    deserialiser before the verdict: the caller treats the states it read into as touched, as
+    after any failed read."""
 
     def __init__(self, path: str, checksums: Mapping[str, Mapping[str, Any]] | None = None):
         super().__init__(path)
         self.checksums = checksums
+        self._verifier: PieceVerifier | None = None
+        self._reading: tuple[str, int, int] | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
@@ -105,51 +107,40 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: Any, planner: Any) -> Future:
         if self.checksums is None:
             return super().read_data(plan, planner)
-        verdict: list[str] = []
-        checker = threading.Thread(
-            target=self._check_into, args=(plan, verdict), name="titan-ckpt-verify"
-        )
-        checker.start()
+        items = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            items.append((info.relative_path, info.offset, info.length))
+        self._verifier = verifier = PieceVerifier(self.path, self.checksums, items)
+        verifier.start()
         try:
             done = super().read_data(plan, planner)
         except BaseException as e:
-            checker.join()
-            if verdict:  # the reason the read failed, most likely
-                raise CorruptDataError(verdict[0]) from e
+            problems = self._finish()
+            if problems:  # the reason the read failed, most likely
+                raise CorruptDataError(problems[0]) from e
             raise
-        checker.join()
-        if verdict:
-            raise CorruptDataError("; ".join(verdict))
+        problems = self._finish()
+        if problems:
+            raise CorruptDataError("; ".join(problems))
         return done
 
-    def _check_into(self, plan: Any, verdict: list[str]) -> None:
-        try:
-            verdict.extend(self._check(plan))
-        except Exception as e:  # noqa: BLE001 - an unchecked read must never pass as checked
-            verdict.append(f"its checksums could not be checked ({e!r})")
+    def _finish(self) -> list[str]:
+        self._moved_on()
+        verifier, self._verifier = self._verifier, None
+        return verifier.finish()
 
-    def _check(self, plan: Any) -> list[str]:
-        wanted: dict[str, set[int]] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            entry = self.checksums.get(info.relative_path)
-            if entry is None:
-                return [f"{info.relative_path} has no checksum in the commit marker"]
-            if checked_while_read(entry):
-                wanted.setdefault(info.relative_path, set()).update(
-                    pieces_in(entry["pieces"], info.offset, info.length)
-                )
-        problems = []
-        for name, which in sorted(wanted.items()):
-            try:
-                problem = verify_pieces(
-                    Path(self.path) / name, self.checksums[name]["pieces"], which
-                )
-            except OSError as e:
-                problem = f"cannot be read: {e.strerror}"
-            if problem:
-                problems.append(f"{name} {problem}")
-        return problems
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        # DCP reads the items one after the other: a new item means it is done with the last.
+        if self._verifier is not None:
+            self._moved_on()
+            self._reading = (sinfo.relative_path, sinfo.offset, sinfo.length)
+        return super()._slice_file(file, sinfo)
+
+    def _moved_on(self) -> None:
+        if self._reading is not None and self._verifier is not None:
+            self._verifier.item_read(*self._reading)
+        self._reading = None
 
 
 def load_plain(data: bytes | io.BytesIO, what: str) -> Any:
