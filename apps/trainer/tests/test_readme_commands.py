@@ -136,7 +136,7 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_bench_commands.py::"
         "test_bench_readme_throughput_commands_run_at_toy_sizes",
     ),
-    "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 5": (
+    "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7": (
         "apps/trainer/tests/test_bench_commands.py::test_bench_readme_ckpt_command_runs_at_toy_sizes"
     ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
