@@ -458,11 +458,11 @@ class CheckpointManager:
                 usable = other
                 break
         if usable is not None:
-            other = layout.read_commit(usable)["step"]
+            usable_step = layout.read_commit(usable)["step"]
             advice = (
                 f"{usable.name} passes every check (all its bytes against their checksums):"
-                f" resume from it with [checkpoint] load_step = {other} (--checkpoint.load_step"
-                f" {other}), or -1 for the newest usable checkpoint"
+                f" resume from it with [checkpoint] load_step = {usable_step}"
+                f" (--checkpoint.load_step {usable_step}), or -1 for the newest usable checkpoint"
             )
         else:
             advice = f"no other checkpoint in {self.folder} passes its checks"

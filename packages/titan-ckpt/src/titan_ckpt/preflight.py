@@ -122,21 +122,26 @@ def check_space(
         kept = f"keep_latest_k = {k} keeps {k}, plus the one being written"
     needed = new * state_bytes
     free = shutil.disk_usage(_nearest_existing(folder)).free
-    gib = 2**30
     note = (
-        f"checkpoint: about {state_bytes / gib:.2f} GiB each, {planned} to save; {folder} needs up"
-        f" to {needed / gib:.2f} GiB more ({kept}), {free / gib:.1f} GiB free there"
+        f"checkpoint: about {_size(state_bytes)} each, {planned} to save; {folder} needs up to"
+        f" {_size(needed)} more ({kept}), {_size(free)} free there"
     )
     if needed <= free:
         return [], note
     return [
         f"[checkpoint] the checkpoints will not fit on the disk of {folder}: each holds about"
-        f" {state_bytes / gib:.2f} GiB (model and optimizer state), this run saves {planned}"
-        f" ({kept}), so it needs {needed / gib:.2f} GiB more and the disk has {free / gib:.2f}"
-        " GiB free\nfree space there, lower [checkpoint] keep_latest_k, save less often"
-        " ([checkpoint] interval), or point [checkpoint] folder (or [job] dump_folder) at a"
-        " bigger disk"
+        f" {_size(state_bytes)} (model and optimizer state), this run saves {planned} ({kept}),"
+        f" so it needs {_size(needed)} more and the disk has {_size(free)} free\nfree space"
+        " there, lower [checkpoint] keep_latest_k, save less often ([checkpoint] interval), or"
+        " point [checkpoint] folder (or [job] dump_folder) at a bigger disk"
     ], note
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes / 2**10:,.1f} KiB"
 
 
 def _nearest_existing(path: Path) -> Path:
