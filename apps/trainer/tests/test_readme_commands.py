@@ -136,6 +136,9 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_bench_commands.py::"
         "test_bench_readme_throughput_commands_run_at_toy_sizes",
     ),
+    "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7": (
+        "apps/trainer/tests/test_bench_commands.py::test_bench_readme_ckpt_command_runs_at_toy_sizes"
+    ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"
         "test_shipped_config_dry_runs_at_its_documented_size_and_fits"

@@ -250,6 +250,9 @@ def preflight_problems(
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
     if not dry_run:
         problems += fault_tolerance_problems(config)
+    space = _checkpoint_space_problems(config, spec, vocab_size, notes)
+    if not dry_run:  # a dry run plans for the cluster's disks, not this machine's
+        problems += space
     return problems, notes, vocab_size
 
 
@@ -392,6 +395,28 @@ def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, voca
     except ValueError as e:
         return [f"[parallelism] context_parallel_degree = {dims.cp}: {e}"]
     return []
+
+
+def _checkpoint_space_problems(config: JobConfig, spec, vocab_size: int, notes) -> list[str]:
+    """Whether the run's checkpoints fit on the disk of their folder: the checkpointer's
+    `check_space`, given the bytes of the state it saves, counted from the model's shapes on
+    the meta device (parameters as built, the optimizer's copies in float32 units)."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return []
+    check = getattr(resolve(plugins.CHECKPOINTERS, ckpt.checkpointer), "check_space", None)
+    if check is None:
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    params = list(model.parameters())
+    state_bytes = sum(p.numel() * p.element_size() for p in params) + int(
+        sum(p.numel() for p in params) * 4 * optimizer_state_copies(config.optimizer)
+    )
+    problems, note = check(ckpt, config.job.dump_folder, state_bytes, config.training.steps)
+    if note:
+        notes.append(note)
+    return problems
 
 
 def optimizer_state_copies(optimizer) -> float:

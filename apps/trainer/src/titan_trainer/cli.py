@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         return 2
-    from titan_core import RunFolderError, get_logger
+    from titan_core import CheckpointError, RunFolderError, get_logger
     from titan_trainer.comm import CollectiveError
     from titan_trainer.guards import NonFiniteStepError, StartupError
 
@@ -109,8 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # found once the layout is known, before any memory is used
         print(e, file=sys.stderr)
         return CONFIG_ERROR
-    except (StartupError, RunFolderError, NonFiniteStepError, CollectiveError) as e:
-        # Problems with the run's data, folders, numbers or peers: the message says what to do.
+    except (
+        StartupError,
+        RunFolderError,
+        NonFiniteStepError,
+        CollectiveError,
+        CheckpointError,
+    ) as e:
+        # Problems with the run's data, folders, numbers, peers or checkpoints (none usable, a
+        # full disk): the message says what to do.
         first, *rest = str(e).split("\n")
         print(
             "\n".join(["titan: error: " + first, *("       " + line for line in rest)]),

@@ -27,10 +27,11 @@ from titan_ckpt.dcp_io import (
     checkpoint_problems,
     dcp_to_torch_file,
     load_consolidated,
-    nonfinite_tensors,
     save_model_checkpoint,
+    value_problems,
 )
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_core.plugins import MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec
@@ -164,9 +165,15 @@ def _dcp_to_torch(a: argparse.Namespace) -> None:
 
 def _list(a: argparse.Namespace) -> None:
     found = layout.committed(a.folder)
-    if not found:
+    unmarked = layout.unmarked(a.folder)
+    if not found and not unmarked:
         print(f"no complete checkpoints in {a.folder}")
-    for step, path in found:
+    for step, path in sorted(found + unmarked):
+        if (step, path) in unmarked:
+            print(
+                f"step {step:>8}  {'no marker':<10}  {'':>10}  {path}: not a checkpoint ({layout.COMMIT_FILE} is missing)"
+            )
+            continue
         try:
             record = layout.read_commit(path)
         except (OSError, ValueError) as e:
@@ -177,22 +184,26 @@ def _list(a: argparse.Namespace) -> None:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    """Check checkpoints offline, as a resume does: exit 1 if any fails."""
+    """Check checkpoints offline, as a resume does, every byte: exit 1 if any fails."""
     target = Path(a.path)
-    paths = (
-        [target]
-        if (target / layout.COMMIT_FILE).exists()
-        else [p for _, p in layout.committed(target)]
-    )
-    if not paths:
+    unmarked: list[Path] = []
+    if (target / layout.COMMIT_FILE).exists():
+        paths = [target]
+    elif (target / ".metadata").exists():
+        paths, unmarked = [], [target]
+    else:
+        paths = [p for _, p in layout.committed(target)]
+        unmarked = [p for _, p in layout.unmarked(target)]
+    if not paths and not unmarked:
         raise CliError(f"{target} is neither a checkpoint nor a folder of checkpoints")
     failed = 0
-    for path in paths:
-        problems = checkpoint_problems(path)
+    for path in sorted(paths + unmarked, key=_step_order):
+        if path in unmarked:
+            problems = [layout.UNMARKED.format(marker=layout.COMMIT_FILE)]
+        else:
+            problems = checkpoint_problems(path)
         if not problems and a.values:
-            problems = [
-                f"{name} holds NaN or inf" for name in nonfinite_tensors(path, progress=False)
-            ]
+            problems = value_problems(path, progress=False)
         if problems:
             failed += 1
             print(f"{path}: FAILED: " + "; ".join(problems))
@@ -201,14 +212,25 @@ def _verify(a: argparse.Namespace) -> int:
         if files is None:
             print(
                 f"{path}: not verified: it records no checksums (saved by titan-ckpt 0.1.0 or another tool)"
+                + ("; values plausible" if a.values else "")
             )
             continue
         size = sum(int(entry["bytes"]) for entry in files.values())
-        checked = " and values finite" if a.values else ""
-        print(f"{path}: OK ({len(files)} files, {size / 2**20:,.1f} MiB, checksums{checked})")
+        algorithms = sorted({entry.get("algorithm", LEGACY_ALGORITHM) for entry in files.values()})
+        checked = " and values plausible" if a.values else ""
+        print(
+            f"{path}: OK ({len(files)} files, {size / 2**20:,.1f} MiB,"
+            f" {'/'.join(algorithms)} checksums{checked})"
+        )
     if failed:
-        print(f"{failed} of {len(paths)} checkpoints failed verification", file=sys.stderr)
+        total = len(paths) + len(unmarked)
+        print(f"{failed} of {total} checkpoints failed verification", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _step_order(path: Path) -> tuple[int, str]:
+    name = path.name
+    return (int(name[5:]), name) if name.startswith("step-") and name[5:].isdigit() else (-1, name)
 
 
 def _require_checkpoint(path: Path) -> None:
@@ -238,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--values",
         action="store_true",
-        help="also read every model and optimizer tensor and check that none holds NaN or inf",
+        help="also read every model and optimizer tensor: none may hold NaN or inf, no second"
+        " moment (exp_avg_sq, ...) may be negative, and optimizer step counts must be whole"
+        " numbers up to the checkpoint's step",
     )
     verify.set_defaults(func=_verify)
     convert = sub.add_parser("convert", help="convert between formats").add_subparsers(

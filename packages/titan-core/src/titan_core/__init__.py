@@ -51,6 +51,7 @@ from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
     GLOBAL_STATE,
     Checkpointer,
+    CheckpointError,
     Converter,
     DataSpec,
     ExpertSplit,
@@ -81,6 +82,7 @@ __all__ = [
     "PEAK_TFLOPS",
     "Checkpointer",
     "Comm",
+    "CheckpointError",
     "ConfigError",
     "allow_nonfinite",
     "Converter",

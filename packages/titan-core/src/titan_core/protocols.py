@@ -291,6 +291,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+class CheckpointError(RuntimeError):
+    """A checkpointer's refusal that the user can act on: a save that failed (a full disk), no
+    usable checkpoint to resume from. Its message names the checkpoint, the reason and the
+    fix; the trainer prints it as it is, without a traceback."""
+
+
 @runtime_checkable
 class Checkpointer(Protocol):
     """Saves and restores the training state. Registered under `titan.checkpointers`.
@@ -314,4 +320,7 @@ class Checkpointer(Protocol):
 # A checkpointer factory (what the `titan.checkpointers` entry point names) may also carry a
 # `check_loadable(config, dump_folder, expected)` attribute: given the global shape of every
 # model tensor by name, it returns (problems, note) about the checkpoint a run would resume
-# from, without loading it. The trainer's dry run calls it when it is there.
+# from, without loading it. The trainer's dry run calls it when it is there. Likewise
+# `check_space(config, dump_folder, state_bytes, steps)`: whether the checkpoints of a run
+# whose saved state takes `state_bytes` and that trains to step `steps` fit on the disk of
+# their folder, (problems, note); the trainer calls it before training.
