@@ -40,11 +40,11 @@ from titan_core import (
     to_toml,
 )
 from titan_core.distributed import destroy_distributed
+from titan_trainer import memory_check
 from titan_trainer.checks import (
     model_args_for,
     optimizer_state_copies,
     parallel_dims_for,
-    state_memory_problem,
 )
 from titan_trainer.comm import (
     dump_trace,
@@ -211,9 +211,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
         runtime.document_start_id = tokenizer.bos_id
     converters = build_converters(config, dims)
     parts = build_model(config, runtime, tokenizer.vocab_size, converters)
-    problem = state_memory_problem(parts, info.device, optimizer_state_copies(config.optimizer))
-    if problem:  # before anything is allocated: this job cannot hold its state here
-        raise ConfigError(problem)
+    check_memory(config, parts, dims, tokenizer.vocab_size, info.device, runtime.dtype)
     runtime.materialize(parts)
 
     loader = build_loader(config, data, tokenizer, dims)
@@ -249,6 +247,22 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     if semi_sync is not None and not semi_sync.loaded:  # DiLoCo starts from these weights
         semi_sync.snapshot()
     return run
+
+
+def check_memory(config: JobConfig, parts, dims: ParallelDims, vocab_size: int, device, dtype):
+    """Before anything is allocated: stop a job whose state and activations cannot fit in the
+    memory this rank has free (on a CPU, with the other ranks on this host), warn when they
+    may not."""
+    need = memory_check.rank_need(
+        config, parts, dims, vocab_size, device, dtype, optimizer_state_copies(config.optimizer)
+    )
+    problem, warning = memory_check.memory_problem(
+        config, memory_check.host_needs(need, device), device
+    )
+    if problem:
+        raise ConfigError(problem)
+    if warning:
+        log.warning(warning)
 
 
 def set_up_layout(config: JobConfig, info: DistInfo) -> tuple[ParallelDims, torch.dtype, int]:

@@ -237,6 +237,11 @@ class DataSpec:
     """Optional: resolve a dataset name and path without reading it (no download) and return
     a one-line description, or raise ValueError/FileNotFoundError saying what is wrong. Lets
     a trainer reject a bad dataset before it starts any process."""
+    check_dataset: Callable[[str, str | None], None] | None = None
+    """Optional: open the dataset and read its first document (a hub dataset's first shard),
+    raising an error whose message names the dataset, why it cannot be read (no network, no
+    token, not in the cache, ...) and how to fix it. A trainer calls it once per job before
+    any process group exists."""
 
 
 # ----------------------------------------------------------------------------- converters
