@@ -122,5 +122,5 @@ def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypat
     said = [r.getMessage() for r in records if "matplotlib" in r.getMessage()]
     assert said == [
         "plots: matplotlib is not installed, so no PNG curves are drawn "
-        "(pip install 'titan-trainer[plots]', or uv sync --extra plots)"
+        "(pip install 'titan-trainer[plots]', or in the workspace: uv sync --all-packages --inexact --extra plots)"
     ]

@@ -170,7 +170,7 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
 
 
 def preflight_problems(
-    config: JobConfig, world_size: int, *, dry_run: bool = False
+    config: JobConfig, world_size: int, *, dry_run: bool = False, open_datasets: bool = False
 ) -> tuple[list[str], list[str], int]:
     """Every check that needs no process group and no memory: the config for this world size,
     the parallelize and pipeline configuration, the tokenizer and the datasets.
@@ -178,7 +178,8 @@ def preflight_problems(
     Returns (problems, notes, vocabulary size). A real run stops on any problem before it
     creates process groups. A dry run checks for the job's GPUs wherever it runs, and takes
     a missing tokenizer as a note (the cluster may hold the file), using the flavor's
-    vocabulary size instead.
+    vocabulary size instead. With `open_datasets` (once per job, not in a dry run) each
+    dataset's first document is read too: a hub dataset out of reach stops the job here.
     """
     import titan_parallel
 
@@ -202,22 +203,29 @@ def preflight_problems(
     spec = resolve(plugins.MODELS, config.model.name)
     data = resolve(plugins.DATA, config.training.data_plugin)
     vocab_size = getattr(spec.flavors[config.model.flavor], "vocab_size", 0)
-    tokenizer_path = config.model.hf_assets_path or config.model.tokenizer_path
+    tokenizer_path, note = config.model.tokenizer_source()
+    if note:
+        notes.append(note)
     try:
         vocab_size = data.build_tokenizer(tokenizer_path).vocab_size
     except Exception as e:  # any failure to load is the user's to see, with its reason
-        message = f"[model] tokenizer_path = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
+        key = (
+            "tokenizer_path" if tokenizer_path == config.model.tokenizer_path else "hf_assets_path"
+        )
+        message = f"[model] {key} = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
         if dry_run:
             notes.append(f"{message}; memory uses the flavor's vocabulary ({vocab_size:,})")
         else:
-            problems.append(message + "\npoint tokenizer_path at a tokenizer.model, or use byte")
-    problems += _dataset_problems(
-        data, "training", config.training.dataset, config.training.dataset_path, notes
-    )
+            problems.append(message + f"\npoint {key} at a tokenizer.model, or use byte")
+    datasets = [("training", config.training.dataset, config.training.dataset_path)]
     if config.validation.enable:
-        problems += _dataset_problems(
-            data, "validation", config.validation.dataset, config.validation.dataset_path, notes
-        )
+        datasets.append(("validation", config.validation.dataset, config.validation.dataset_path))
+    for section, dataset, path in datasets:
+        found = _dataset_problems(data, section, dataset, path, notes)
+        if not found and open_datasets:
+            found = _dataset_open_problems(data, section, dataset, path)
+        problems += found
+    problems += _tensor_parallel_problems(config, spec, dims, vocab_size)
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
     problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
@@ -245,6 +253,40 @@ def _dataset_problems(
     except (ValueError, FileNotFoundError, OSError) as e:
         return [f"[{section}] dataset = {dataset!r}: {_first_line(e)}"]
     return []
+
+
+def _dataset_open_problems(data, section: str, dataset: str, path: str | None) -> list[str]:
+    """The data plugin reads the dataset's first document (see `DataSpec.check_dataset`)."""
+    check = getattr(data, "check_dataset", None)
+    if check is None:
+        return []
+    try:
+        check(dataset, path)
+    except Exception as e:  # noqa: BLE001 - whatever a plugin raises, its message is the answer
+        text = str(e).strip() or type(e).__name__
+        named = text.startswith(f"dataset {dataset} ")  # titan-data's messages name it
+        return [f"[{section}] {text}" if named else f"[{section}] dataset = {dataset!r}: {text}"]
+    return []
+
+
+def _tensor_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):
+    """The model's tensor-parallel plan at this degree (heads, hidden sizes, experts' overlap),
+    read from the model built on the meta device: what `parallelize` would refuse later."""
+    import titan_parallel
+
+    if not dims.tp_enabled:
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    if not hasattr(model, "tp_plan"):
+        return []  # parallelize names what the model lacks
+    from titan_parallel.expert_parallel import tp_plan_overlaps
+
+    plan = model.tp_plan()
+    problems = titan_parallel.check_tp_plan(model, plan, dims.tp)
+    if titan_parallel.moe_layers(model):
+        problems += tp_plan_overlaps(model, plan)
+    return [f"{config.model.name} {config.model.flavor}: {problem}" for problem in problems]
 
 
 def _pipeline_problems(

@@ -10,6 +10,7 @@ without inheriting from anything of ours.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -177,7 +178,28 @@ class ModelSpec:
     name: str
     flavors: Mapping[str, Any]
     build: Callable[[Any], nn.Module]
-    hf_adapter: Callable[[Any], HFAdapter] | None = None
+    hf_adapter: Callable[..., HFAdapter] | None = None
+    """`hf_adapter(args)`; one that also takes `bos_token_id=` and `eos_token_id=` writes the
+    tokenizer's ids into `config.json` (see `build_hf_adapter`)."""
+
+
+def build_hf_adapter(
+    spec: ModelSpec, args: Any, *, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> HFAdapter:
+    """`spec.hf_adapter(args)`, given the tokenizer's BOS and EOS ids where the family's adapter
+    takes them (titan-models' do): a `config.json` without them leaves generation without an
+    end."""
+    factory = spec.hf_adapter
+    if factory is None:
+        raise ValueError(f"model {spec.name!r} has no Hugging Face adapter")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no keywords known
+        params = {}
+    open_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    kwargs = {k: v for k, v in ids.items() if v is not None and (k in params or open_keywords)}
+    return factory(args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- data

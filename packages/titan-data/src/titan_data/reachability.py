@@ -77,10 +77,10 @@ def hub_problem(repo: str) -> str | None:
 def _unreachable(name: str, source: Source, cause: str) -> str:
     return (
         f"dataset {name} ({source.description}) cannot be read: {cause}\n"
-        "fixes: tokenize it once where the hub can be reached (titan-data tokenize --dataset"
-        f" {name} --tokenizer TOKENIZER --out DIR) and train on that folder (dataset = DIR);"
-        f" or point dataset_path at a local copy of {source.hub_repo}; or, with the dataset in"
-        " the Hugging Face cache, set HF_HUB_OFFLINE=1"
+        "tokenize it once where the hub can be reached (titan-data tokenize --dataset"
+        f" {name} --tokenizer TOKENIZER --out DIR) and train on that folder (dataset = DIR)\n"
+        f"or point dataset_path at a local copy of {source.hub_repo}\n"
+        "or, with the dataset in the Hugging Face cache, set HF_HUB_OFFLINE=1"
     )
 
 
