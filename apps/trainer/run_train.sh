@@ -14,9 +14,20 @@
 # Extra arguments override the TOML. The run writes under the current folder (job.dump_folder).
 set -euo pipefail
 
-# The python of the uv project a folder is in (walking up to the nearest uv.lock), if uv is here.
-workspace_python() {
+# The python of the environment a folder belongs to: the one whose site-packages hold it (an
+# installed titan-trainer), else that of the uv project it is in (the nearest uv.lock above it;
+# `uv run` installs the workspace on first use), if uv is here.
+environment_python() {
     local dir=$1
+    case "$dir" in
+    */site-packages/*)
+        local prefix=${dir%%/lib/python*/site-packages/*}
+        if [ -x "$prefix/bin/python" ]; then
+            echo "$prefix/bin/python"
+            return
+        fi
+        ;;
+    esac
     command -v uv >/dev/null 2>&1 || return 1
     while [ "$dir" != "/" ] && [ -n "$dir" ]; do
         if [ -f "$dir/uv.lock" ]; then
@@ -29,7 +40,7 @@ workspace_python() {
 }
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
-PY=${PYTHON:-$(workspace_python "$HERE" || command -v python3 || command -v python || true)}
+PY=${PYTHON:-$(environment_python "$HERE" || command -v python3 || command -v python || true)}
 if [ -z "$PY" ] || ! "$PY" -c "import titan_trainer" 2>/dev/null; then
     echo "run_train.sh: ${PY:-no python} cannot import titan_trainer" >&2
     echo "       set PYTHON to the python of the environment where titan-trainer is installed," >&2

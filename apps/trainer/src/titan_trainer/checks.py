@@ -79,6 +79,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
     problems += _expert_problems(config, dims)
+    problems += _tensor_parallel_problems(config, dims)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
@@ -225,7 +226,6 @@ def preflight_problems(
         if not found and open_datasets:
             found = _dataset_open_problems(data, section, dataset, path)
         problems += found
-    problems += _tensor_parallel_problems(config, spec, dims, vocab_size)
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
     problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
@@ -269,15 +269,21 @@ def _dataset_open_problems(data, section: str, dataset: str, path: str | None) -
     return []
 
 
-def _tensor_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):
+def _tensor_parallel_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
     """The model's tensor-parallel plan at this degree (heads, hidden sizes, experts' overlap),
-    read from the model built on the meta device: what `parallelize` would refuse later."""
+    read from the model built on the meta device: what `parallelize` would refuse later. The
+    vocabulary is padded to a multiple of 64 for any degree, so the flavor's own serves."""
     import titan_parallel
 
     if not dims.tp_enabled:
         return []
+    try:
+        spec = resolve(plugins.MODELS, config.model.name)
+        args = spec.flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
     with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
+        model = spec.build(args)
     if not hasattr(model, "tp_plan"):
         return []  # parallelize names what the model lacks
     from titan_parallel.expert_parallel import tp_plan_overlaps

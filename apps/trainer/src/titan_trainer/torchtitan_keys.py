@@ -41,6 +41,13 @@ UNIMPLEMENTED: frozenset[str] = frozenset(
         "experimental.custom_args_module",
         "experimental.custom_import",
         "fault_tolerance.process_group",
+        # torchtitan's fault-tolerance module (job.custom_config_module): streaming DiLoCo's
+        # fragments, which Titan's DiLoCo does not split the model into.
+        "fault_tolerance.fragment_sync_delay",
+        "fault_tolerance.fragment_update_alpha",
+        "fault_tolerance.module_fqns_per_model_fragment",
+        "fault_tolerance.num_fragments",
+        "fault_tolerance.should_quantize",
         "job.custom_config_module",
         "job.save_config_file",
         "lr_scheduler.total_steps",
