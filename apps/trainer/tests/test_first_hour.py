@@ -70,16 +70,6 @@ def test_the_issue_dry_run_command_ends_in_one_config_error_without_a_traceback(
     assert re.search(r"^titan: config error: llama3 debugmodel: n_kv_heads = 8", out, re.M), out
 
 
-def test_a_config_error_keeps_its_problems_through_a_worker_process():
-    import pickle
-
-    from titan_core import ConfigError
-
-    error = pickle.loads(pickle.dumps(ConfigError(["one\nfix it", "two"])))
-    assert error.problems == ["one\nfix it", "two"]
-    assert str(error).count("titan: config error:") == 2
-
-
 # ----------------------------------------------------------------------------- memory
 
 
