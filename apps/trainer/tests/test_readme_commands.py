@@ -173,7 +173,8 @@ def test_every_readme_command_is_run_by_a_test():
 def _run_as_shown(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
     # The config path in the command is relative to the repository root: a scratch folder with
     # `apps` linked in reads the same files and keeps the run's outputs out of the checkout.
-    (tmp_path / "apps").symlink_to(REPO / "apps")
+    if not (tmp_path / "apps").exists():  # a second command in the same folder
+        (tmp_path / "apps").symlink_to(REPO / "apps")
     env = {**os.environ, "UV_PROJECT": str(REPO), "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(
