@@ -33,8 +33,8 @@ from titan_ckpt.dcp_io import (
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
-from titan_core.plugins import MODELS, PluginError, resolve
-from titan_core.protocols import HFAdapter, ModelSpec
+from titan_core.plugins import DATA, MODELS, PluginError, resolve
+from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
 
 class CliError(Exception):
@@ -70,13 +70,15 @@ def _flavor_args(model: str, flavor: str | None, overrides: Sequence[str]) -> tu
 
 def _checkpoint_args(spec: ModelSpec, args: Any, ckpt: Path, given: set[str]) -> Any:
     """The flavor's arguments as the checkpoint's model was built: the vocabulary size of its
-    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's) and the
-    sequence length of its saved config, unless given with --set."""
+    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's), unless
+    given with --set. The context length (`max_position_embeddings`) stays the flavor's own,
+    or the run's sequence length where that is longer: a run trained on short samples does
+    not shorten the model's positions."""
     fields = {f.name for f in dataclasses.fields(args)}
     changes: dict[str, Any] = {}
     seq_len = _saved_config(ckpt).get("training", {}).get("seq_len")
     if "max_seq_len" in fields and "max_seq_len" not in given and isinstance(seq_len, int):
-        changes["max_seq_len"] = seq_len
+        changes["max_seq_len"] = max(seq_len, args.max_seq_len)
     if "vocab_size" in fields and "vocab_size" not in given:
         vocab = _vocab_of_tensors(spec, args, checkpoint_keys(ckpt))
         if vocab is not None:
@@ -120,6 +122,32 @@ def _saved_config(ckpt: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
+def _token_ids(ckpt: Path) -> tuple[int | None, int | None]:
+    """BOS and EOS ids of the tokenizer the run trained with, for config.json: its saved config
+    names the tokenizer and the data plugin that builds it (found by name, as the trainer
+    finds it). (None, None), with a note, when it cannot be built here."""
+    saved = _saved_config(ckpt)
+    if not saved:
+        return None, None
+    model = saved.get("model", {})
+    # The trainer's rule: tokenizer_path unless it is left at `byte` and hf_assets_path is set.
+    name = model.get("tokenizer_path", "byte")
+    if name == "byte" and model.get("hf_assets_path"):
+        name = model["hf_assets_path"]
+    plugin = saved.get("training", {}).get("data_plugin", "titan")
+    try:
+        tokenizer = resolve(DATA, plugin).build_tokenizer(name)
+    except Exception as e:  # noqa: BLE001 - a tokenizer file not on this machine: say so
+        print(
+            f"titan-ckpt: note: the run's tokenizer {name!r} cannot be loaded here"
+            f" ({str(e).splitlines()[0] if str(e) else type(e).__name__}); config.json gets"
+            " no bos_token_id/eos_token_id",
+            file=sys.stderr,
+        )
+        return None, None
+    return tokenizer.bos_id, tokenizer.eos_id
+
+
 def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
     """[model] name and flavor from the resolved config saved in the checkpoint, if any."""
     model = _saved_config(ckpt).get("model", {})
@@ -137,7 +165,10 @@ def _dcp_to_hf(a: argparse.Namespace) -> None:
         )
     spec, args = _flavor_args(name, a.flavor or saved_flavor, a.set)
     given = {_parse_override(o)[0] for o in a.set}
-    adapter = spec.hf_adapter(_checkpoint_args(spec, args, ckpt, given))
+    bos, eos = _token_ids(ckpt)
+    adapter = build_hf_adapter(
+        spec, _checkpoint_args(spec, args, ckpt, given), bos_token_id=bos, eos_token_id=eos
+    )
     state = load_consolidated(ckpt, "model.")
     files = export_hf(
         state, adapter, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30)

@@ -65,6 +65,7 @@ from titan_core.protocols import (
     Tokenizer,
     TPPlan,
     TPStyle,
+    build_hf_adapter,
     parallelizable_problems,
 )
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
@@ -92,6 +93,7 @@ __all__ = [
     "DistInfo",
     "FolderLock",
     "HFAdapter",
+    "build_hf_adapter",
     "Job",
     "MemoryMonitor",
     "MemoryStats",
