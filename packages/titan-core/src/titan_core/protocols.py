@@ -107,7 +107,10 @@ class ParallelizableModel(Protocol):
     activation checkpointing and compile wrap each block, and pipeline parallel deletes the
     blocks a stage does not own while the fully qualified names of the rest stay stable.
     The modules named in `pre_blocks`/`post_blocks` may be set to None by pipeline parallel,
-    and `forward` must then pass its input through them unchanged.
+    and `forward` must then pass its input through them unchanged. `post_blocks` may also
+    name blocks of `layers` ("layers.K") that `forward` runs after the output projection
+    (multi-token-prediction layers): pipeline parallel keeps them on the last stage, and a
+    stage without them passes on what they would read.
 
     Optional: `init_plan()` and `init_buffers(buffer_device)` (initial values as data, which
     titan-parallel's `init_weights_exact` uses to initialise any layout without holding the
