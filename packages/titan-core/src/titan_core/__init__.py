@@ -51,6 +51,7 @@ from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
     GLOBAL_STATE,
     Checkpointer,
+    CheckpointError,
     Converter,
     DataSpec,
     ExpertSplit,
@@ -64,6 +65,7 @@ from titan_core.protocols import (
     Tokenizer,
     TPPlan,
     TPStyle,
+    build_hf_adapter,
     parallelizable_problems,
 )
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
@@ -81,6 +83,7 @@ __all__ = [
     "PEAK_TFLOPS",
     "Checkpointer",
     "Comm",
+    "CheckpointError",
     "ConfigError",
     "allow_nonfinite",
     "Converter",
@@ -90,6 +93,7 @@ __all__ = [
     "DistInfo",
     "FolderLock",
     "HFAdapter",
+    "build_hf_adapter",
     "Job",
     "MemoryMonitor",
     "MemoryStats",
