@@ -12,7 +12,7 @@ real gloo process groups, against one process. Four ranks start once and run eve
   titan-models' `MoE.moe_plan()` with nothing of their own: EP 4 (DeepSeek-V3's group-limited
   sigmoid routing and bias balancing over 4 ranks), EP 2 x TP 2 (MLA and Llama 4's attention
   under TP, experts split both ways, Llama 4's routing weights scaling the experts' inputs)
-  and PP 2 x EP 2.
+  and PP 2 x EP 2 (both families).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ CASES = [
     ("deepseek_v3", "ep2_tp2"),
     ("llama4", "ep2_tp2"),
     ("llama4", "pp2_ep2"),
+    ("deepseek_v3", "pp2_ep2"),  # the MTP layer's experts split over EP on the last stage
 ]
 
 # ----------------------------------------------------------------------------- models
