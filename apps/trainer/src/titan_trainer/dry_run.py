@@ -219,7 +219,8 @@ class _RSSGrowth:
 
 
 def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool):
-    """What pipeline stages pass each other, from a one-block copy of the model with the same
+    """What pipeline stages pass each other, from a one-block copy of the model (and the
+    blocks it runs after its output, multi-token prediction's) with the same
     parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
     spec = resolve(plugins.MODELS, config.model.name)
     with torch.device("meta"):
@@ -227,7 +228,8 @@ def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converter
     for converter in converters:
         converter.convert(probe)
     for name in list(probe.layers)[1:]:
-        del probe.layers[name]
+        if f"layers.{name}" not in probe.post_blocks:  # those run after the output: kept
+            del probe.layers[name]
     runtime.parallelize_part(probe)
     with fake_tensors() if fake else contextlib.nullcontext():
         runtime.materialize([probe])
