@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -111,10 +112,13 @@ def resolve_world_size(config: JobConfig) -> int | None:
 
 
 def _simulation_config(config: JobConfig) -> JobConfig:
-    """The config the simulation runs: compile off (fake tensors cannot be compiled), async TP
-    off (CUDA only; its buffers are small)."""
+    """The config the simulation runs: compiled regions traced and partitioned as the compile
+    backend does but run on fake tensors (see `titan_parallel.compiled_memory`), async TP off
+    (CUDA only; its buffers are small)."""
+    from titan_parallel.compiled_memory import simulated_backend
+
     sim = copy.deepcopy(config)
-    sim.compile.enable = False
+    sim.compile.backend = simulated_backend(config.compile.backend)
     sim.parallelism.enable_async_tensor_parallel = False
     return sim
 
@@ -130,36 +134,55 @@ def rank_roles(config: JobConfig, world_size: int) -> list[tuple[str, int]]:
 
 
 def simulate_rank(
-    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str
+    config: JobConfig,
+    world_size: int,
+    rank: int,
+    vocab_size: int,
+    role: str,
+    *,
+    kernels: Literal["cuda", "cpu"] = "cuda",
 ) -> RoleResult:
     """Build, initialise and step rank `rank` of the job on fake tensors; its memory.
+    `kernels`: whose kernels' memory the step follows where CUDA's and the CPU's differ (see
+    `titan_parallel.cuda_kernels`): the job's GPUs, or the CPU (to compare with a CPU run).
 
     Runs in a fresh process: torch caches decisions about meshes and process groups (DTensor's
     redistribution plans) that would leak from one simulated rank into the next.
     """
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_simulate_rank_here, config, world_size, rank, vocab_size, role).result()
+        return pool.submit(
+            _simulate_rank_here, config, world_size, rank, vocab_size, role, kernels
+        ).result()
 
 
 def _simulate_rank_here(
-    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str
+    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str, kernels: str
 ) -> RoleResult:
     from titan_core import init_logging
 
     init_logging(rank=0)
     with fake_process_group(world_size, rank):
-        return measure_rank(config, world_size, vocab_size, role, fake=True)
+        return measure_rank(config, world_size, vocab_size, role, fake=True, kernels=kernels)
 
 
 def measure_rank(
-    config: JobConfig, world_size: int, vocab_size: int, role: str, *, fake: bool
+    config: JobConfig,
+    world_size: int,
+    vocab_size: int,
+    role: str,
+    *,
+    fake: bool,
+    kernels: Literal["cuda", "cpu"] = "cpu",
 ) -> RoleResult:
     """This rank's memory for one training step of `config`, in a process group that exists
     (fake or real): the trainer's own build, initialisation, optimizer and step, measured by
     the memory tracker. With `fake`, every tensor is fake and nothing is allocated; without,
     the same runs for real (how the estimate is validated) and the process's resident-set
-    growth over the step is recorded too."""
+    growth over the step is recorded too. With `kernels = "cuda"` (fake tensors only),
+    operators whose CUDA kernels save less for backward than the CPU's run as on CUDA."""
+    if kernels == "cuda" and not fake:
+        raise ValueError("CUDA kernels are emulated on fake tensors only")
     from titan_trainer.train import (
         build_converters,
         build_model,
@@ -191,7 +214,7 @@ def measure_rank(
         step = _step_fn(config, runtime, parts, optimizer, vocab_size)
         rss = None if fake else _RSSGrowth()
         resident = 0 if fake else resident_bytes(parts, optimizer)
-        with rss or contextlib.nullcontext():
+        with rss or contextlib.nullcontext(), _kernels(kernels):
             breakdown = estimate_step_memory(parts, optimizer, step, warmup_steps=0)
         shapes = _state_shapes(parts)
     return RoleResult(
@@ -202,6 +225,12 @@ def measure_rank(
         shapes,
         None if rss is None else resident + rss.growth,
     )
+
+
+def _kernels(kernels: str) -> contextlib.AbstractContextManager:
+    from titan_parallel.cuda_kernels import cuda_kernels
+
+    return cuda_kernels() if kernels == "cuda" else contextlib.nullcontext()
 
 
 class _RSSGrowth:
