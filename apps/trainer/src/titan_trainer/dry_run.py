@@ -174,13 +174,16 @@ def measure_rank(
     *,
     fake: bool,
     kernels: Literal["cuda", "cpu"] = "cpu",
+    after_build: Callable[[ParallelRuntime, list], None] | None = None,
 ) -> RoleResult:
     """This rank's memory for one training step of `config`, in a process group that exists
     (fake or real): the trainer's own build, initialisation, optimizer and step, measured by
     the memory tracker. With `fake`, every tensor is fake and nothing is allocated; without,
     the same runs for real (how the estimate is validated) and the process's resident-set
     growth over the step is recorded too. With `kernels = "cuda"` (fake tensors only),
-    operators whose CUDA kernels save less for backward than the CPU's run as on CUDA."""
+    operators whose CUDA kernels save less for backward than the CPU's run as on CUDA.
+    `after_build(runtime, parts)` may change the parts before they get memory (bench/
+    throughput.py's FSDP over one device, say)."""
     if kernels == "cuda" and not fake:
         raise ValueError("CUDA kernels are emulated on fake tensors only")
     from titan_trainer.train import (
@@ -204,6 +207,8 @@ def measure_rank(
         _probe_stage_io(config, runtime, vocab_size, converters, fake) if dims.pp_enabled else None
     )
     parts = build_model(config, runtime, vocab_size, converters, stage_io)
+    if after_build is not None:
+        after_build(runtime, parts)
     with fake_tensors() if fake else contextlib.nullcontext():
         runtime.materialize(parts)
         init_peak = estimate_init_memory(parts, lambda: runtime.init_weights(parts))

@@ -24,7 +24,10 @@ from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
 from titan_trainer.dry_run import RoleResult, rank_roles, simulate_rank
 
-# Small layouts of the debug model (fp32, no compile) whose peaks are compared.
+# Qwen3's debug mixture-of-experts model instead of Llama 3's debug model.
+_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+
+# Small layouts of the debug model (fp32) whose peaks are compared.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
     "FSDP 2": (2, []),
@@ -51,6 +54,21 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "FSDP 2 + AC full": (2, ["--activation_checkpoint.mode", "full"]),
     "FSDP 2 + AC selective op": (2, ["--activation_checkpoint.mode", "selective"]),
     "FSDP 2 + Float8": (2, ["--model.converters", "quantize.linear.float8"]),
+    # Compiled: the real run executes the simulation's partitioned graphs (see
+    # titan_parallel.compiled_memory), so the tracker sees what the simulation counts.
+    "FSDP 2 compiled": (2, ["--compile.enable"]),
+    "FSDP 2 + AC selective op compiled": (
+        2,
+        ["--activation_checkpoint.mode", "selective", "--compile.enable"],
+    ),
+    "MoE FSDP 2 + AC full compiled": (
+        2,
+        [*_MOE, "--activation_checkpoint.mode", "full", "--compile.enable"],
+    ),
+    "MoE EP 2 compiled": (
+        2,
+        [*_MOE, "--parallelism.expert_parallel_degree", "2", "--compile.enable"],
+    ),
 }
 
 
