@@ -250,12 +250,8 @@ def compiled_regions_traceable(parts: Sequence[nn.Module]) -> Iterator[None]:
     the module as an optimized module, which the trackers' hooks skip; this gives
     `module.compile()`'d modules the same treatment for the duration of the block.
     """
-    try:
-        from torch._dynamo.eval_frame import _set_in_optimized_module
-    except ImportError:  # an older torch: compiled regions then run eagerly under the tracker
-        log.info("memory estimate: this torch cannot run compiled regions under the tracker")
-        yield
-        return
+    from torch._dynamo.eval_frame import _set_in_optimized_module
+
     wrapped = []
     for part in parts:
         for module in part.modules():

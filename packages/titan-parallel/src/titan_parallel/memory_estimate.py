@@ -19,9 +19,14 @@ peak. The same tracker runs on real tensors too, which is how the estimate is va
             peak = estimate_step_memory([model], optimizer, lambda: train_step(model, optimizer))
     print(peak.describe())
 
+Compiled regions are counted as inductor would run them when they were compiled with
+`simulated_backend()` (see `titan_parallel.compiled_memory`): what its partitioner saves for
+backward, without the intermediates its fused kernels never write. A step simulated for GPUs
+on the CPU runs under `cuda_kernels()`, where CUDA's kernels keep less than the CPU's (see
+`titan_parallel.cuda_kernels`).
+
 What the estimate leaves out: the CUDA caching allocator's fragmentation and reserve, the
-CUDA context and NCCL's own buffers (a few GiB per GPU: keep headroom), and compiled code's
-fusions (the step runs eagerly; compiling usually needs less).
+CUDA context and NCCL's own buffers (a few GiB per GPU: keep headroom).
 """
 
 from __future__ import annotations
