@@ -146,3 +146,42 @@ def fp32_args(debug_args, dataset):
         "--metrics.peak_tflops",
         "1",
     ]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_folders(tmp_path_factory) -> dict[str, str]:
+    """Hugging Face tokenizer folders, as the families ship them, around one byte-level BPE
+    tokenizer.json trained once with `tokenizers` on the embedded corpus (1,000 merges and
+    ranks, then the special tokens): `llama` (tokenizer_config.json names BOS, EOS and PAD, as
+    Llama 3's and DeepSeek-V3's do) and `qwen` (no BOS, as Qwen3's)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from titan_data import pydocs_documents
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(pydocs_documents("train"), trainer)
+    tokenizer.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|endoftext|>"])
+    configs = {
+        "llama": {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "pad_token": "<|endoftext|>",
+        },
+        "qwen": {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+    }
+    root = tmp_path_factory.mktemp("hf_tokenizers")
+    folders = {}
+    for kind, config in configs.items():
+        folder = root / kind
+        folder.mkdir()
+        tokenizer.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        folders[kind] = str(folder)
+    return folders

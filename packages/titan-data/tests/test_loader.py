@@ -72,7 +72,10 @@ def test_infinite_loader_repeats_the_data_and_logs_each_epoch(tmp_path, document
     # The titan logger may not propagate (init_logging turns that off), so listen on it directly.
     titan_log, messages = logging.getLogger("titan"), Messages()
     titan_log.addHandler(messages)
-    level, titan_log.level = titan_log.level, logging.INFO
+    # setLevel, not the attribute: it clears the loggers' cached levels (an earlier INFO
+    # message, a tokenizer's `tokenizer:` line, left "disabled" cached on titan.data).
+    level = titan_log.level
+    titan_log.setLevel(logging.INFO)
     try:
         # One sample per step: one stream reads every document.
         it = iter(loader(path, seq_len=15, batch_size=1))
@@ -81,7 +84,7 @@ def test_infinite_loader_repeats_the_data_and_logs_each_epoch(tmp_path, document
         got = windows(next(it) for _ in range(n))
     finally:
         titan_log.removeHandler(messages)
-        titan_log.level = level
+        titan_log.setLevel(level)
     assert got == chunks(stream(documents[:5] * 4), 16)[:n]
     assert messages.lines[:3] == [
         f"data: {path} epoch {e} of packing stream 0 ended after 5 documents; starting epoch"

@@ -17,6 +17,16 @@ def test_readme_example_runs(capsys):
     assert "'pydocs': " in out and "'pydocs_validation': " in out  # then the tokens per source
 
 
+def test_readme_tokenizer_json_example_runs(tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) == 2, "README.md's python examples: the loader's, then the tokenizer's"
+    monkeypatch.chdir(tmp_path)  # it writes my_tokenizer/ where it runs
+    exec(compile(blocks[1], str(README), "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out
+    assert "my_tokenizer/tokenizer.json: 2,002 ids; BOS <|begin_of_text|> = 2000" in out, out
+    assert (tmp_path / "my_tokenizer" / "tokenizer.json").is_file()
+
+
 def test_readme_shell_commands_run_as_shown(tmp_path):
     """Every command of the README's shell blocks, exactly as written, from a scratch folder
     with the package's console script on PATH; then training reads what they wrote."""

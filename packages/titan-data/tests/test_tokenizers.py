@@ -3,6 +3,7 @@ import shutil
 import sys
 
 import pytest
+from conftest import TEXTS
 
 from titan_data import ByteTokenizer, Llama3Tokenizer, load_tokenizer
 from titan_data.tokenizer import find_tokenizer_model, llama3_package_asset
@@ -14,26 +15,9 @@ except ImportError:  # pragma: no cover - the test extra installs it
 
 needs_reference = pytest.mark.skipif(
     ReferenceTokenizer is None,
-    reason="llama-models is not installed (pip install titan-data[test]); it holds the "
+    reason="llama-models is not installed (pip install titan-llm-data[test]); it holds the "
     "reference tokenizer and its tokenizer.model",
 )
-
-TEXTS = [
-    "",
-    "Hello, world!",
-    "The quick brown fox jumps over the lazy dog. It's 3:14pm; we'll see.",
-    "Ünïcödé façade — naïve café, Ελληνικά, русский, עברית, العربية",
-    "日本語のテキストと中文文本，还有한국어 텍스트。",
-    "emoji: 🙂🚀👩‍👩‍👧‍👦 🇫🇷 ✔️",
-    "digits 1234567890 3.14159 1e-10 0xFF 1,000,000",
-    "tabs\tand\nnew\r\nlines\n\n\n  indented\u00a0nbsp\u3000ideographic space",
-    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>hi<|eot_id|><|end_of_text|>",
-    "def f(x):\n    return x ** 2  # code\n",
-    " " * 30_000 + "after a long run of spaces",
-    "x" * 60_000,
-    "word " * 2_000 + "\n" * 26_000 + "y" * 25_001,
-    "z" * 399_990 + " " * 30_000 + "tail",  # a long run across the 400k-character cut
-]
 
 
 @needs_reference
@@ -97,7 +81,7 @@ def test_load_tokenizer_errors_say_what_was_tried_and_what_is_accepted(tmp_path)
 
 def test_llama3_name_without_llama_models_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_models", None)  # as if it were not installed
-    with pytest.raises(FileNotFoundError, match=r"pip install titan-data\[llama\]"):
+    with pytest.raises(FileNotFoundError, match=r"pip install titan-llm-data\[llama\]"):
         load_tokenizer("llama3")
 
 

@@ -147,14 +147,14 @@ def download(a: argparse.Namespace) -> int:
         )
     print(f"{len(placed)} files of {a.repo_id} in {local_dir}")
     if "tokenizer" in a.assets:
-        from titan_data import find_tokenizer_model
+        from titan_data import find_tokenizer_file
 
         try:
-            found = find_tokenizer_model(str(local_dir))
+            found = find_tokenizer_file(str(local_dir))
         except FileNotFoundError:
             print(
-                f"note: {a.repo_id} has no tokenizer.model (the tiktoken file Titan reads); "
-                "its tokenizer.json is there for other tools",
+                f"note: {a.repo_id} has neither tokenizer.model nor tokenizer.json (the files"
+                " Titan reads)",
                 file=sys.stderr,
             )
         else:

@@ -6,21 +6,24 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING
 
-__version__ = importlib.metadata.version("titan-data")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-data")  # the pyproject's version, one source
 
 # The public API, by the module that defines it. Imported on first use, so that the
 # `titan-data` command (titan_data.cli) starts without torch and `datasets`, which take seconds.
 _EXPORTS = {
     "ByteTokenizer": "titan_data.byte_tokenizer",
     "DataError": "titan_data.errors",
+    "HFTokenizer": "titan_data.hf_tokenizer",
     "HUB_DATASETS": "titan_data.sources",
     "Layout": "titan_data.order",
     "Llama3Tokenizer": "titan_data.llama3_tokenizer",
+    "MissingTextField": "titan_data.errors",
     "Source": "titan_data.sources",
     "TitanDataLoader": "titan_data.loader",
     "TokenShards": "titan_data.token_shards",
     "build_dataloader": "titan_data.loader",
     "data_spec": "titan_data.spec",
+    "find_tokenizer_file": "titan_data.tokenizer",
     "find_tokenizer_model": "titan_data.tokenizer",
     "load_source": "titan_data.sources",
     "load_tokenizer": "titan_data.tokenizer",
@@ -29,15 +32,18 @@ _EXPORTS = {
 }
 __all__ = [
     "HUB_DATASETS",
+    "HFTokenizer",
     "ByteTokenizer",
     "DataError",
     "Layout",
     "Llama3Tokenizer",
+    "MissingTextField",
     "Source",
     "TitanDataLoader",
     "TokenShards",
     "build_dataloader",
     "data_spec",
+    "find_tokenizer_file",
     "find_tokenizer_model",
     "load_source",
     "load_tokenizer",
@@ -61,7 +67,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from titan_data.byte_tokenizer import ByteTokenizer
-    from titan_data.errors import DataError
+    from titan_data.errors import DataError, MissingTextField
+    from titan_data.hf_tokenizer import HFTokenizer
     from titan_data.llama3_tokenizer import Llama3Tokenizer
     from titan_data.loader import TitanDataLoader, build_dataloader
     from titan_data.mixture import parse_datasets
@@ -70,4 +77,4 @@ if TYPE_CHECKING:
     from titan_data.sources import HUB_DATASETS, Source, load_source
     from titan_data.spec import data_spec
     from titan_data.token_shards import TokenShards
-    from titan_data.tokenizer import find_tokenizer_model, load_tokenizer
+    from titan_data.tokenizer import find_tokenizer_file, find_tokenizer_model, load_tokenizer
