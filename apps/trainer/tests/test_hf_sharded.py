@@ -2,19 +2,26 @@
 `load_hf_weights` and `save_hf_weights`, as `initial_load_in_hf` and `last_save_in_hf` use
 them) by 4 ranks on real gloo process groups, under FSDP 2 x TP 2 and PP 2 x FSDP 2.
 
-A Llama 3 of 78M parameters (313 MB in float32: 1024 wide, 16 heads of 64 and 4 key/value
-heads, a 16,384-token vocabulary, 4 blocks) is built by transformers from random weights and
-saved in 9 safetensors files, once per session. Each layout imports it, computes the logits
-of a batch (the last pipeline stage's, under PP) and exports its own shards; then
-transformers' `from_pretrained` loads each export. Checked:
+Two flavors of Llama 3: `small` (20M parameters, 80 MB in float32: 512 wide, 8 heads of 64
+and 2 key/value heads, a 16,384-token vocabulary, 1 block; its embedding and output, 32 MiB
+each, make the bound's one-tensor term large against the few MiB a process's heap varies by)
+in the default suite, and `313mb`
+(78M parameters, 313 MB: 1024 wide, 16 heads of 64 and 4 key/value heads, a 16,384-token
+vocabulary, 4 blocks), marked `slow` (`uv run nox -s slow`; its figures are in titan-ckpt's
+README). transformers builds the flavor from random weights and saves it in several
+safetensors files. The 4 ranks start once per flavor; each layout imports the checkpoint,
+computes the logits of a batch (the last pipeline stage's, under PP) and exports its own
+shards; then transformers' `from_pretrained` loads each export. Checked:
 
 - the logits of every layout equal transformers' (1e-4, as the other HF tests);
 - each export holds exactly the checkpoint's tensors (bitwise: float32 both ways), in files
   that an index maps, and transformers' logits from it equal the original's;
-- the growth of each rank's peak resident memory (VmHWM, which sees torch's allocations and
-  the file pages mapped by safetensors) during the import and during the export stays below
-  1/4 of the model plus its largest tensor: the bound the old path (every rank reading, or
-  gathering, the whole model) is far above. Printed per rank.
+- each rank's peak resident memory (VmHWM, which sees torch's allocations and the file pages
+  safetensors maps) stays below 1/4 of the model plus its largest tensor: its shards and one
+  tensor in flight. For the import, the peak above the rank's level before its weights
+  existed (materialisation and import, measured); for the export, its shards plus the peak
+  above the level the export starts at. The old path (every rank reading, or gathering, the
+  whole model) is far above the bound. Printed per rank.
 """
 
 from __future__ import annotations
@@ -43,6 +50,20 @@ from safetensors import safe_open  # noqa: E402 - after the transformers check
 
 WORLD, BATCH, SEQ = 4, 2, 32
 READY = "written"
+FLAVORS = {
+    # llama3 arguments; the checkpoint's file size (save_pretrained) and the export's
+    # (max_shard_bytes), so that both have several files.
+    "small": dict(
+        args=dict(dim=512, n_layers=1, n_heads=8, n_kv_heads=2, vocab_size=16384),
+        save_shard="12MB",
+        export_shard=16 * 2**20,
+    ),
+    "313mb": dict(
+        args=dict(dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, vocab_size=16384),
+        save_shard="40MB",
+        export_shard=48 * 2**20,
+    ),
+}
 LAYOUTS = {
     "fsdp2_tp2": dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
     "pp2_fsdp2": dict(
@@ -53,17 +74,18 @@ LAYOUTS = {
 }
 
 
-def llama_args():
+def llama_args(flavor: str):
     from titan_models import llama3_flavors
 
     return dataclasses.replace(
-        llama3_flavors["debugmodel"], dim=1024, n_layers=4, n_heads=16, n_kv_heads=4,
-        vocab_size=16384, multiple_of=256, max_seq_len=SEQ, rope_theta=500000.0,
+        llama3_flavors["debugmodel"], **FLAVORS[flavor]["args"], multiple_of=256,
+        max_seq_len=SEQ, rope_theta=500000.0,
     )  # fmt: skip
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, 16384, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+def tokens(flavor: str) -> torch.Tensor:
+    vocab = FLAVORS[flavor]["args"]["vocab_size"]
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
 
 
 # ----------------------------------------------------------------------------- memory
@@ -77,20 +99,26 @@ def _status_mib(key: str) -> float:
     raise KeyError(key)
 
 
-def peak_growth_mib(fn) -> float:
-    """How far this process's resident memory rose above its level at the start while `fn`
-    ran (MiB). Freed heap memory is handed back to the system first (glibc's malloc_trim), so
-    that memory the call reuses counts too. Linux's peak (VmHWM) is reset through
-    /proc/self/clear_refs; where that is refused, a thread samples VmRSS every millisecond."""
+def settled_rss_mib() -> float:
+    """This process's resident memory once freed heap memory is handed back to the system
+    (glibc's malloc_trim; elsewhere nothing to hand back), so that memory reused later counts."""
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    start = _status_mib("VmRSS")
+    return _status_mib("VmRSS")
+
+
+def peak_mib(fn, since: float) -> float:
+    """How far this process's resident memory rose above `since` (MiB) at its peak while `fn`
+    ran. Linux's peak (VmHWM, which sees torch's allocations and the file pages safetensors
+    maps) is reset through /proc/self/clear_refs; where that is refused, a thread samples
+    VmRSS every millisecond."""
+    settled_rss_mib()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        peak = [start]
+        peak = [_status_mib("VmRSS")]
         done = threading.Event()
 
         def sample():
@@ -105,16 +133,16 @@ def peak_growth_mib(fn) -> float:
         finally:
             done.set()
             watcher.join()
-        return peak[0] - start
+        return peak[0] - since
     fn()
-    return _status_mib("VmHWM") - start
+    return _status_mib("VmHWM") - since
 
 
 # ----------------------------------------------------------------------------- the ranks
 
 
-def _logits(runtime, parts, dims) -> torch.Tensor | None:
-    """This rank's logits of `tokens()`: under PP the first stage's ranks send their hidden
+def _logits(runtime, parts, dims, flavor: str) -> torch.Tensor | None:
+    """This rank's logits of `tokens(flavor)`: under PP the first stage's ranks send their hidden
     states to the last stage's, which return the logits (every FSDP rank runs the same
     batch, as it must take part in its stage's all-gathers)."""
     from torch.distributed.tensor import DTensor
@@ -122,21 +150,21 @@ def _logits(runtime, parts, dims) -> torch.Tensor | None:
     (part,) = parts
     with torch.no_grad():
         if runtime.pipeline is None:
-            out = part(tokens())
+            out = part(tokens(flavor))
         else:
             pp = dims.mesh("pp")
             ranks = pp.mesh.flatten().tolist()
             peer = ranks[1 - pp.get_local_rank()]
             if pp.get_local_rank() == 0:
-                dist.send(part(tokens()).contiguous(), dst=peer)
+                dist.send(part(tokens(flavor)).contiguous(), dst=peer)
                 return None
-            hidden = torch.empty(BATCH, SEQ, llama_args().dim)
+            hidden = torch.empty(BATCH, SEQ, llama_args(flavor).dim)
             dist.recv(hidden, src=peer)
             out = part(hidden)
     return out.full_tensor() if isinstance(out, DTensor) else out
 
 
-def run_layout(layout: str, folder: str, out: str) -> dict:
+def run_layout(layout: str, flavor: str, folder: str, out: str) -> dict:
     from titan_ckpt import load_hf_weights, save_hf_weights
     from titan_models import llama3_spec
     from titan_trainer.config import JobConfig
@@ -152,13 +180,20 @@ def run_layout(layout: str, folder: str, out: str) -> dict:
     dims = cfg.parallelism.build_parallel_dims(WORLD)
     dims.build_mesh("cpu")
     runtime = ParallelRuntime(cfg, dims, torch.device("cpu"), torch.float32, 0, cross_entropy_loss)
-    args = llama_args()
+    args = llama_args(flavor)
     with torch.device("meta"):
         model = llama3_spec.build(args)
     parts = runtime.parallelize(model)
-    runtime.materialize(parts)
-    runtime.init_weights(parts, parameters=False)  # the rotary tables; weights come from HF
     adapter = llama3_spec.hf_adapter(args)
+    dist.barrier()
+    before = settled_rss_mib()  # the level before this rank's weights exist
+
+    def materialize_and_import():
+        runtime.materialize(parts)
+        runtime.init_weights(parts, parameters=False)  # the rotary tables; weights from HF
+        load_hf_weights(parts, adapter, folder)
+
+    imported = peak_mib(materialize_and_import, since=before)
     local_mib = (
         sum(
             (p.to_local() if hasattr(p, "to_local") else p).nbytes
@@ -167,12 +202,16 @@ def run_layout(layout: str, folder: str, out: str) -> dict:
         )
         / 2**20
     )
+    logits = _logits(runtime, parts, dims, flavor)
     dist.barrier()
-    imported = peak_growth_mib(lambda: load_hf_weights(parts, adapter, folder))
-    logits = _logits(runtime, parts, dims)
+    # What the forward left (FSDP's unsharded root parameters, gloo's buffers) is not the
+    # export's: the export is measured from the level it starts at, plus the rank's shards.
     dist.barrier()
-    exported = peak_growth_mib(
-        lambda: save_hf_weights(parts, adapter, out, dtype="float32", max_shard_bytes=48 * 2**20)
+    exported = local_mib + peak_mib(
+        lambda: save_hf_weights(
+            parts, adapter, out, dtype="float32", max_shard_bytes=FLAVORS[flavor]["export_shard"]
+        ),
+        since=settled_rss_mib(),
     )
     return {
         "import_mib": imported,
@@ -182,7 +221,7 @@ def run_layout(layout: str, folder: str, out: str) -> dict:
     }
 
 
-def _worker(rank: int, init_file: str, folder: str, work: str) -> None:
+def _worker(rank: int, flavor: str, init_file: str, folder: str, work: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     deadline = time.monotonic() + 300
@@ -194,7 +233,7 @@ def _worker(rank: int, init_file: str, folder: str, work: str) -> None:
     for layout in LAYOUTS:
         start = time.perf_counter()
         try:
-            results[layout] = run_layout(layout, folder, os.path.join(work, layout))
+            results[layout] = run_layout(layout, flavor, folder, os.path.join(work, layout))
         except Exception:  # shown by the tests
             results[layout] = {"error": traceback.format_exc()}
         results[layout]["seconds"] = time.perf_counter() - start
@@ -209,20 +248,25 @@ def _worker(rank: int, init_file: str, folder: str, work: str) -> None:
 # ----------------------------------------------------------------------------- the test process
 
 
-@pytest.fixture(scope="session")
-def hf_folder(tmp_path_factory):
-    return tmp_path_factory.mktemp("hf_llama_313mb")
+@pytest.fixture(scope="module", params=["small", pytest.param("313mb", marks=pytest.mark.slow)])
+def flavor(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def launched(hf_folder):
+def hf_folder(tmp_path_factory, flavor):
+    return tmp_path_factory.mktemp(f"hf_llama_{flavor}")
+
+
+@pytest.fixture(scope="module")
+def launched(flavor, hf_folder):
     """The ranks, started first: they import torch and the trainer while the test process
     writes the checkpoint, then wait for it."""
     mp.set_forkserver_preload(["titan_trainer.train", "titan_models"])
     with tempfile.TemporaryDirectory() as work:
         ctx = mp.start_processes(
             _worker,
-            args=(os.path.join(work, "init"), str(hf_folder), work),
+            args=(flavor, os.path.join(work, "init"), str(hf_folder), work),
             nprocs=WORLD,
             join=False,
             start_method="forkserver",
@@ -236,13 +280,13 @@ def launched(hf_folder):
 
 
 @pytest.fixture(scope="module")
-def hf_checkpoint(hf_folder, launched) -> dict:
+def hf_checkpoint(flavor, hf_folder, launched) -> dict:
     """transformers' LlamaForCausalLM with random weights (norm scales too), saved in several
-    files, and its logits of `tokens()`; written while the ranks start. The weights are drawn
+    files, and its logits of `tokens(flavor)`; written while the ranks start. The weights are drawn
     directly: transformers' own initialisation takes many seconds at this size."""
     from titan_models import llama3_spec
 
-    adapter = llama3_spec.hf_adapter(llama_args(), torch_dtype="float32")
+    adapter = llama3_spec.hf_adapter(llama_args(flavor), torch_dtype="float32")
     config = transformers.LlamaConfig(**adapter.hf_config())
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
@@ -259,14 +303,14 @@ def hf_checkpoint(hf_folder, launched) -> dict:
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with torch.no_grad():
-        logits = model.eval()(tokens()).logits
+        logits = model.eval()(tokens(flavor)).logits
     if not (hf_folder / READY).exists():
-        model.save_pretrained(hf_folder, max_shard_size="40MB")
+        model.save_pretrained(hf_folder, max_shard_size=FLAVORS[flavor]["save_shard"])
         (hf_folder / READY).write_text("")
     tensors = {n: (tuple(p.shape), p.nbytes) for n, p in model.state_dict().items()}
     del model
     gc.collect()
-    return {"folder": hf_folder, "logits": logits, "tensors": tensors}
+    return {"folder": hf_folder, "logits": logits, "tensors": tensors, "flavor": flavor}
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +341,7 @@ def _read_export(folder: str, hf_checkpoint: dict) -> dict:
                 differing.append(name)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        logits = model(tokens()).logits
+        logits = model(tokens(hf_checkpoint["flavor"])).logits
     return {
         "names": set(index["weight_map"]),
         "files": sorted(set(index["weight_map"].values())),
@@ -346,7 +390,8 @@ def test_no_rank_holds_more_than_its_shards_and_one_tensor(
     growth = [r[layout][f"{direction}_mib"] for r in results]
     local = [r[layout]["local_mib"] for r in results]
     print(
-        f"{layout} {direction}: peak RSS growth per rank "
+        f"{hf_checkpoint['flavor']} {layout} {direction}: peak RSS for the weights"
+        " per rank "
         + ", ".join(f"{g:.0f}" for g in growth)
         + f" MiB (its shards: {', '.join(f'{m:.0f}' for m in local)} MiB); bound: model"
         f" {model_mib:.0f} / {WORLD} + largest tensor {largest_mib:.0f} = {bound:.0f} MiB"
