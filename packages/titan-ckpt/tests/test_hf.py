@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from titan_ckpt import (
 from titan_ckpt.cli import main
 
 SPEC = "ckpt_toy_hf:TOY_SPEC"
+SLICED_SPEC = "ckpt_toy_hf:SLICED_TOY_SPEC"
 
 
 def _weights(seed=0):
@@ -241,3 +246,37 @@ def test_sliced_import_refuses_a_checkpoint_of_another_shape_before_reading(tmp_
     assert "embed.weight has shape [96, 32] there and [64, 32] in the model" in message
     assert "choose the model and flavor the checkpoint was saved from" in message
     assert_same(before, full_model(model), "untouched after a refusal")
+
+
+@pytest.mark.slow  # a torchrun of 2 ranks; the conversions on 2 ranks: test_distributed.py
+def test_cli_conversion_under_torchrun_starts_its_process_group(tmp_path):
+    """`torchrun --nproc-per-node 2 --no-python titan-ckpt convert dcp-to-hf` (the README's
+    form): both ranks convert; the files equal the one-process export."""
+    run = build_run(dropout=0.0)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1), run.states(), tmp_path / "c")
+    train(run, 1, manager)
+    manager.close()
+    step, hf = str(tmp_path / "c" / "step-1"), ["--model", SLICED_SPEC, "--flavor", "tiny"]
+    assert main(["convert", "dcp-to-hf", step, str(tmp_path / "one"), *hf]) == 0
+
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    script = str(Path(sys.executable).with_name("titan-ckpt"))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--no-python", script, "convert", "dcp-to-hf", step, str(tmp_path / "two"), *hf,
+         "--max-shard-gb", "1e-5"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("wrote ") == 1  # rank 0 speaks for both
+    one = read_safetensors(tmp_path / "one", progress=False)
+    two = read_safetensors(tmp_path / "two", progress=False)
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert (tmp_path / "two" / "model.safetensors.index.json").is_file()
+
+
+def test_cli_commands_other_than_the_hf_conversions_refuse_torchrun(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    assert main(["list", str(tmp_path)]) == 2
+    assert "titan-ckpt list runs in one process; run it without torchrun" in capsys.readouterr().err

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -57,8 +57,13 @@ from titan_core.protocols import Box, HFAdapter, SlicedHFAdapter, is_sliced_hf_a
 log = get_logger("ckpt")
 
 
+Weights = nn.Module | Sequence[nn.Module] | Mapping[str, torch.Tensor]
+"""A model, a rank's pipeline-stage modules, or a state dict of tensors (DTensors or plain)
+whose storage is filled or written in place."""
+
+
 def load_hf_weights(
-    model: nn.Module | Sequence[nn.Module],
+    model: Weights,
     adapter: SlicedHFAdapter | HFAdapter,
     in_dir: str | Path,
     *,
@@ -67,16 +72,24 @@ def load_hf_weights(
     """Fill the model's parameters and saved buffers in place from an HF safetensors folder.
 
     `model` is a module or a rank's pipeline-stage modules, materialised (`to_empty`) and
-    parallelised in any way; names are those of the unsplit model. Before anything is read,
+    parallelised in any way, or a state dict of such tensors; names are those of the unsplit
+    model. Before anything is read,
     the checkpoint is checked against the model on every rank (every name there, every shape
     as the model has it, nothing the adapter cannot convert): CheckpointLoadError names what
     is wrong."""
     if not is_sliced_hf_adapter(adapter):
         _note_whole(adapter)
-        ModelState(model).load_full_state_dict(import_hf(in_dir, adapter, progress=progress))
+        full = import_hf(in_dir, adapter, progress=progress)
+        if not isinstance(model, Mapping):
+            ModelState(model).load_full_state_dict(full)
+            return
+        with torch.no_grad():
+            for name, value in model.items():
+                local, index = _local_box(value)
+                local.copy_(full[name][index])
         return
     folder = SafetensorsFolder(in_dir)
-    state = ModelState(model).state_dict()
+    state = _state(model)
     problems = _everyone(_mismatches(adapter, folder, state))
     if problems:
         raise CheckpointLoadError(
@@ -124,7 +137,7 @@ def _mismatches(
 
 
 def save_hf_weights(
-    model: nn.Module | Sequence[nn.Module],
+    model: Weights,
     adapter: SlicedHFAdapter | HFAdapter,
     out_dir: str | Path,
     *,
@@ -144,7 +157,7 @@ def save_hf_weights(
     out = Path(out_dir)
     if not is_sliced_hf_adapter(adapter):
         _note_whole(adapter)
-        full = ModelState(model).full_state_dict()  # a collective: every rank takes part
+        full = _full_state(model)  # a collective: every rank takes part
         written = []
         if _rank() == 0:
             written = export_hf(full, adapter, out, dtype=dtype, max_shard_bytes=max_shard_bytes,
@@ -154,7 +167,7 @@ def save_hf_weights(
         return written
     cast = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = dict(adapter.hf_config())  # refuses an unrepresentable model, alike on every rank
-    state = ModelState(model).state_dict()
+    state = _state(model)
     writers = _writers(state)
 
     # Which tensors the folder holds: each rank reports the ones whose first element it writes.
@@ -215,6 +228,17 @@ def _note_whole(adapter: object) -> None:
             " rank holds the whole model while its Hugging Face weights are read or written",
             type(adapter).__name__,
         )
+
+
+def _state(model: Weights) -> dict[str, torch.Tensor]:
+    """The state dict whose tensors (DTensors or plain) share the model's storage."""
+    return dict(model) if isinstance(model, Mapping) else ModelState(model).state_dict()
+
+
+def _full_state(model: Weights) -> dict[str, torch.Tensor]:
+    if not isinstance(model, Mapping):
+        return ModelState(model).full_state_dict()
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.items()}
 
 
 def _out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
