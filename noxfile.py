@@ -401,6 +401,34 @@ def dryrun_moe(session: nox.Session) -> None:
         )
 
 
+@nox.session(name="dryrun-torchtitan", venv_backend="none")
+def dryrun_torchtitan(session: nox.Session) -> None:
+    """The dry run of each TOML written the way torchtitan v0.2.2 wrote its train configs
+    (apps/trainer/tests/torchtitan_configs), at the world size its `# titan dry run:` line
+    names, from a folder laid out as torchtitan's checkout (its tests/assets/c4_test). The
+    default suite runs their checks (tests/test_torchtitan_configs.py); this simulates the
+    ones that pass them. Exit 3 (does not fit) is reported, not an error."""
+    import shlex
+
+    folder = ROOT / "apps/trainer/tests/torchtitan_configs"
+    work = Path(session.create_tmp())
+    sample = work / "tests/assets/c4_test"
+    sample.mkdir(parents=True, exist_ok=True)
+    (sample / "data.json").write_text('{"text": "A local sample document."}\n' * 100)
+    session.chdir(work)
+    names = session.posargs or [p.stem for p in sorted(folder.glob("*.toml"))]
+    for name in names:
+        path = folder / f"{name}.toml"
+        line = next(x for x in path.read_text().splitlines() if x.startswith("# titan dry run:"))
+        session.run(
+            "uv", "run", "--frozen", "--project", str(ROOT), "titan-train",
+            "--job.config_file", str(path), "--dry-run", "--dry_run.suggest", "false",
+            *shlex.split(line.removeprefix("# titan dry run:")),
+            success_codes=[0, 2, 3],
+            env={"PYTHONUNBUFFERED": "1", **os.environ},
+        )  # fmt: skip
+
+
 MOE_DRY_RUNS = (
     "qwen3_235b_a22b",
     "deepseek_v3_236b",

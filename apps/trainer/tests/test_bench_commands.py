@@ -194,3 +194,27 @@ def test_bench_readme_throughput_commands_run_at_toy_sizes():
             }
         if len(records) == 2:  # side by side: the second carries its ratio to the first
             assert records[1]["step_time_over_first_variant"] > 0
+
+
+def test_bench_readme_ckpt_command_runs_at_toy_sizes():
+    (command,) = _bench_readme_commands("ckpt.py")
+    argv = shlex.split(command)
+    assert argv[:3] == ["uv", "run", "python"] and "--only" in argv
+    done = subprocess.run(
+        [sys.executable, *argv[3:], "--mb", "16,32", "--saves", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted({r["checkpoint_mb"] for r in rows}) == [48.0, 96.0]  # each size in turn
+    targets = {(r["checkpoint_mb"], r["metric"]): r for r in rows if "target" in r}
+    assert {metric for _, metric in targets} == {
+        "checksummed_save_over_plain_save",
+        "checksummed_read_over_plain_read",
+        "verified_load_over_plain_load",
+    }
+    # Toy sizes on a shared machine: the ratios are reported, not judged, here.
+    assert all(r["value"] > 0 and isinstance(r["met"], bool) for r in targets.values())

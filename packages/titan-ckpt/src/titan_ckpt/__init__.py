@@ -10,6 +10,7 @@ from titan_ckpt.dcp_io import (
     load_consolidated,
     nonfinite_tensors,
     save_model_checkpoint,
+    value_problems,
 )
 from titan_ckpt.errors import CheckpointLoadError, CheckpointSaveError
 from titan_ckpt.hf import export_hf, import_hf, read_safetensors
@@ -17,7 +18,7 @@ from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
 from titan_ckpt.layout import list_checkpoints
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
-from titan_ckpt.preflight import check_loadable
+from titan_ckpt.preflight import check_loadable, check_space
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.states import ModelState, OptimizerState
 
@@ -25,6 +26,7 @@ __version__ = importlib.metadata.version("titan-llm-ckpt")  # the pyproject's ve
 
 __all__ = [
     "check_loadable",
+    "check_space",
     "Checkpoint",
     "CheckpointLoadError",
     "CheckpointManager",
@@ -39,6 +41,7 @@ __all__ = [
     "load_hf_weights",
     "load_consolidated",
     "nonfinite_tensors",
+    "value_problems",
     "ModelState",
     "OptimizerState",
     "read_safetensors",

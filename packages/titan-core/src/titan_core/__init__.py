@@ -51,6 +51,7 @@ from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
     GLOBAL_STATE,
     Checkpointer,
+    CheckpointError,
     Converter,
     DataSpec,
     ExpertSplit,
@@ -66,6 +67,7 @@ from titan_core.protocols import (
     Tokenizer,
     TPPlan,
     TPStyle,
+    build_hf_adapter,
     is_sliced_hf_adapter,
     parallelizable_problems,
 )
@@ -84,6 +86,7 @@ __all__ = [
     "PEAK_TFLOPS",
     "Checkpointer",
     "Comm",
+    "CheckpointError",
     "ConfigError",
     "allow_nonfinite",
     "Converter",
@@ -96,6 +99,7 @@ __all__ = [
     "HFSlice",
     "SlicedHFAdapter",
     "is_sliced_hf_adapter",
+    "build_hf_adapter",
     "Job",
     "MemoryMonitor",
     "MemoryStats",
