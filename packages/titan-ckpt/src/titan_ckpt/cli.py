@@ -6,6 +6,9 @@ safetensors and single torch files.
     titan-ckpt convert dcp-to-hf   OUTPUTS/checkpoint/step-1000 hf_out --model llama3 --flavor 8B
     titan-ckpt convert hf-to-dcp   hf_in  step-0 --model llama3 --flavor 8B
     titan-ckpt convert dcp-to-torch OUTPUTS/checkpoint/step-1000 model.pt --model-only
+
+A checkpoint or folder may be a URL (s3://bucket/run/checkpoint, any fsspec storage; for S3,
+`pip install 'titan-llm-ckpt[s3]'`, and AWS_ENDPOINT_URL for an S3-compatible server).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from titan_ckpt.dcp_io import (
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
+from titan_ckpt.storage import StorageUnavailableError, as_path
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
@@ -155,7 +159,7 @@ def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
 
 
 def _dcp_to_hf(a: argparse.Namespace) -> None:
-    ckpt = Path(a.checkpoint)
+    ckpt = as_path(a.checkpoint)
     _require_checkpoint(ckpt)
     saved_name, saved_flavor = _model_from_config(ckpt)
     name = a.model or saved_name
@@ -188,7 +192,7 @@ def _hf_to_dcp(a: argparse.Namespace) -> None:
 
 
 def _dcp_to_torch(a: argparse.Namespace) -> None:
-    ckpt = Path(a.checkpoint)
+    ckpt = as_path(a.checkpoint)
     _require_checkpoint(ckpt)
     dcp_to_torch_file(ckpt, a.out, model_only=a.model_only)
     print(f"wrote {a.out} (load with torch.load(path, weights_only=True))")
@@ -216,7 +220,7 @@ def _list(a: argparse.Namespace) -> None:
 
 def _verify(a: argparse.Namespace) -> int:
     """Check checkpoints offline, as a resume does, every byte: exit 1 if any fails."""
-    target = Path(a.path)
+    target = as_path(a.path)
     unmarked: list[Path] = []
     if (target / layout.COMMIT_FILE).exists():
         paths = [target]
@@ -354,7 +358,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
-    except (CliError, FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
+    except (
+        CliError,
+        FileNotFoundError,
+        ValueError,
+        UnsafeCheckpointError,
+        StorageUnavailableError,
+    ) as e:
         print(f"titan-ckpt: error: {e}", file=sys.stderr)
         return 2
     return code or 0

@@ -1,0 +1,179 @@
+"""Checkpoints on an object store (any fsspec URL; S3 here), against a real S3-compatible
+server on 127.0.0.1 (moto's server mode), reached through s3fs as a job reaches S3: the same
+atomic commit (marker written last), checksums, async saves and keep_latest_k as a local
+folder, a SIGKILL in the middle of a save, a flipped byte, and the start-up checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_toy import assert_same, build_run, full_model, full_optimizer, train
+from s3_server import s3_server
+
+from titan_ckpt import Checkpoint, CheckpointManager, check_space, list_checkpoints, storage
+from titan_ckpt.cli import main as ckpt_cli
+from titan_ckpt.errors import CheckpointLoadError
+from titan_core.run_folder import RunFolderError
+
+WORKER = Path(__file__).with_name("s3_crash_worker.py")
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The s3fs file system of a server started once for this module."""
+    import s3fs  # noqa: PLC0415
+
+    with s3_server("titan"):
+        yield s3fs.S3FileSystem()
+
+
+def _objects(s3, url: str) -> list[str]:
+    s3.invalidate_cache()
+    prefix = url.removeprefix("s3://") + "/"
+    return sorted(p.removeprefix(prefix) for p in s3.find(prefix))
+
+
+def _resume(url: str, **config) -> tuple[CheckpointManager, object, int | None]:
+    run = build_run(seed=31)
+    manager = CheckpointManager(Checkpoint(enable=True, interval=2, **config), run.states(), url)
+    return manager, run, manager.load()
+
+
+def test_save_prune_resume_and_cli_on_s3(s3, tmp_path, capsys):
+    url = "s3://titan/sync"
+    run = build_run()
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=2, keep_latest_k=2), run.states(), url
+    )
+    train(run, 6, manager, last_step=6)
+    manager.close()
+    # keep_latest_k = 2: step-2 deleted once step-6 was committed; the checksum side files
+    # went into the markers; the write test left nothing behind.
+    assert [s for s, _ in list_checkpoints(url)] == [4, 6]
+    files = [".metadata", "__0_0.distcp", "titan_commit.json", "config.toml"]
+    assert _objects(s3, url) == sorted(
+        f"step-{s}/{f}" for s in (4, 6) for f in files if f != "config.toml"
+    )
+    manager, resumed, step = _resume(url)
+    assert step == 6
+    assert_same(full_model(run.model), full_model(resumed.model), "model after resume from S3")
+    assert_same(
+        full_optimizer(run.model, run.optimizer),
+        full_optimizer(resumed.model, resumed.optimizer),
+        "optimizer after resume from S3",
+    )
+    assert resumed.data.position == run.data.position and resumed.state.step == 6
+    manager.close()
+    # The CLI takes URLs: list, verify, convert.
+    assert ckpt_cli(["list", url]) == 0
+    assert ckpt_cli(["verify", url]) == 0
+    out = capsys.readouterr().out
+    assert f"{url}/step-6: OK" in out and "xxh3_128 checksums" in out, out
+    assert ckpt_cli(["convert", "dcp-to-torch", f"{url}/step-6", str(tmp_path / "m.pt")]) == 0
+    saved = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert_same(full_model(run.model), saved["model"], "dcp-to-torch from S3")
+
+
+def test_async_saves_on_s3_commit_in_background_and_resume(s3):
+    url = "s3://titan/async"
+    run = build_run()
+    config = Checkpoint(enable=True, interval=2, keep_latest_k=1, async_mode="async")
+    manager = CheckpointManager(config, run.states(), url)
+    train(run, 4, manager)
+    # step 4 is written in the background; committed by the next save or close()
+    manager.close()
+    assert [s for s, _ in list_checkpoints(url)] == [4]
+    assert all(not name.startswith("step-2/") for name in _objects(s3, url))
+    manager, resumed, step = _resume(url)
+    assert step == 4
+    assert_same(full_model(run.model), full_model(resumed.model), "model after async save to S3")
+    manager.close()
+
+
+@pytest.mark.parametrize("where", ["data", "commit"])
+def test_sigkill_during_s3_save_keeps_previous_and_resume_matches_uninterrupted(s3, where):
+    url = f"s3://titan/kill-{where}"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), url, where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent,
+    )
+    assert proc.returncode == -9 and "SAVED 2" in proc.stdout and "KILLING" in proc.stdout, (
+        proc.stdout + proc.stderr
+    )
+    assert [s for s, _ in list_checkpoints(url)] == [2]
+    if where == "commit":  # everything but the marker is there: still not a checkpoint
+        assert {"step-4/.metadata", "step-4/__0_0.distcp"} <= set(_objects(s3, url))
+        assert "step-4/titan_commit.json" not in _objects(s3, url)
+    expected = build_run()
+    train(expected, 6)
+    manager, run, step = _resume(url)
+    assert step == 2
+    train(run, 4, manager, last_step=6)
+    manager.close()
+    assert_same(full_model(expected.model), full_model(run.model), "after the kill and resume")
+    assert [s for s, _ in list_checkpoints(url)] == [2, 4, 6]
+    assert not [n for n in _objects(s3, url) if n.endswith(".sum.json")]
+
+
+def test_flipped_byte_on_s3_is_refused_and_previous_step_loaded(s3, capsys):
+    url = "s3://titan/corrupt"
+    run = build_run()
+    manager = CheckpointManager(Checkpoint(enable=True, interval=2), run.states(), url)
+    train(run, 2, manager)
+    at_2 = full_model(run.model)
+    train(run, 2, manager)
+    manager.close()
+    data = f"{url.removeprefix('s3://')}/step-4/__0_0.distcp"
+    blob = bytearray(s3.cat_file(data))
+    blob[len(blob) // 2] ^= 0x01
+    s3.pipe_file(data, bytes(blob))
+    manager, resumed, step = _resume(url)
+    assert step == 2
+    assert_same(at_2, full_model(resumed.model), "model after falling back to step 2")
+    manager.close()
+    assert ckpt_cli(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert f"{url}/step-4: FAILED: __0_0.distcp does not match its xxh3_128 checksum" in out, out
+    assert f"{url}/step-2: OK" in out, out
+    # asked for by step, the corrupt one is named with the one that would do
+    run = build_run()
+    manager = CheckpointManager(Checkpoint(enable=True, load_step=4), run.states(), url)
+    with pytest.raises(CheckpointLoadError, match="load_step = 2"):
+        manager.load(4)
+    manager.close()
+
+
+def test_unwritable_url_is_refused_when_the_manager_starts(s3):
+    run = build_run()
+    with pytest.raises(RunFolderError, match="s3://no-such-bucket/run cannot be written"):
+        CheckpointManager(Checkpoint(enable=True), run.states(), "s3://no-such-bucket/run")
+
+
+def test_url_folder_and_space_check(s3):
+    config = Checkpoint(enable=True, folder="s3://titan/space", interval=10, keep_latest_k=2)
+    problems, note = check_space(config, "/outputs", 10 * 2**30, 100)
+    assert problems == []
+    assert "s3://titan/space needs up to 30.0 GiB more" in note, note
+    assert "free space not checked (remote storage)" in note, note
+    assert storage.join("/outputs", "checkpoint") == "/outputs/checkpoint"
+    assert storage.join("s3://titan/out", "checkpoint") == "s3://titan/out/checkpoint"
+    assert storage.join("/outputs", "s3://titan/ck") == "s3://titan/ck"
+
+
+def test_storage_not_installed_names_what_to_install(monkeypatch):
+    import fsspec.registry  # noqa: PLC0415
+
+    monkeypatch.delitem(fsspec.registry._registry, "s3", raising=False)
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    with pytest.raises(
+        storage.StorageUnavailableError, match=r"pip install 'titan-llm-ckpt\[s3\]'"
+    ):
+        storage.as_path("s3://titan/run")
+    assert ckpt_cli(["verify", "s3://titan/run"]) == 2
