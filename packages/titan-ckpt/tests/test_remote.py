@@ -94,19 +94,29 @@ def test_async_saves_on_s3_commit_in_background_and_resume(s3):
     manager.close()
 
 
+@pytest.fixture(scope="module")
+def killed(s3) -> dict[str, tuple[int, str]]:
+    """Both workers, started together (each pays its own torch import): {where: (exit status,
+    output)}."""
+    procs = {
+        where: subprocess.Popen(
+            [sys.executable, str(WORKER), f"s3://titan/kill-{where}", where],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
+        for where in ("data", "commit")
+    }
+    return {where: (p.wait(timeout=300), p.stdout.read()) for where, p in procs.items()}
+
+
 @pytest.mark.parametrize("where", ["data", "commit"])
-def test_sigkill_during_s3_save_keeps_previous_and_resume_matches_uninterrupted(s3, where):
+def test_sigkill_during_s3_save_keeps_previous_and_resume_matches_uninterrupted(s3, killed, where):
     url = f"s3://titan/kill-{where}"
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), url, where],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parent,
-    )
-    assert proc.returncode == -9 and "SAVED 2" in proc.stdout and "KILLING" in proc.stdout, (
-        proc.stdout + proc.stderr
-    )
+    status, output = killed[where]
+    assert status == -9 and "SAVED 2" in output and "KILLING" in output, output
+    assert "step-2/titan_commit.json" in _objects(s3, url)
     assert [s for s, _ in list_checkpoints(url)] == [2]
     if where == "commit":  # everything but the marker is there: still not a checkpoint
         assert {"step-4/.metadata", "step-4/__0_0.distcp"} <= set(_objects(s3, url))
@@ -168,9 +178,11 @@ def test_url_folder_and_space_check(s3):
 
 
 def test_storage_not_installed_names_what_to_install(monkeypatch):
-    import fsspec.registry  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
-    monkeypatch.delitem(fsspec.registry._registry, "s3", raising=False)
+    # fsspec keeps the classes it imported; forget s3's, and make `import s3fs` fail.
+    registry = importlib.import_module("fsspec.registry")
+    monkeypatch.delitem(registry._registry, "s3", raising=False)
     monkeypatch.setitem(sys.modules, "s3fs", None)
     with pytest.raises(
         storage.StorageUnavailableError, match=r"pip install 'titan-llm-ckpt\[s3\]'"
