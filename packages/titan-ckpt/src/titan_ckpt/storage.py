@@ -91,7 +91,7 @@ def _install_hint(url: str, proto: str, reason: str) -> str:
         if extra
         else f"install the fsspec implementation for {proto}:// (fsspec says: {reason})"
     )
-    return f"checkpoint folder {url} is on {proto}:// storage, which is not installed here: {fix}"
+    return f"{url} is on {proto}:// storage, which is not installed here\n{fix}"
 
 
 class RemotePath:
