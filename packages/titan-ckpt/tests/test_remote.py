@@ -14,7 +14,14 @@ import torch
 from ckpt_toy import assert_same, build_run, full_model, full_optimizer, train
 from s3_server import s3_server
 
-from titan_ckpt import Checkpoint, CheckpointManager, check_space, list_checkpoints, storage
+from titan_ckpt import (
+    Checkpoint,
+    CheckpointManager,
+    check_loadable,
+    check_space,
+    list_checkpoints,
+    storage,
+)
 from titan_ckpt.cli import main as ckpt_cli
 from titan_ckpt.errors import CheckpointLoadError
 from titan_core.run_folder import RunFolderError
@@ -68,6 +75,13 @@ def test_save_prune_resume_and_cli_on_s3(s3, tmp_path, capsys):
     )
     assert resumed.data.position == run.data.position and resumed.state.step == 6
     manager.close()
+    # The dry run's offline check reads the checkpoint's index from the store.
+    shapes = {k: tuple(v.shape) for k, v in run.model.state_dict().items()}
+    problems, note = check_loadable(Checkpoint(enable=True, folder=url), "/unused", shapes)
+    assert problems == [] and f"would resume from {url}/step-6 (step 6)" in note, note
+    shapes["out.weight"] = (1, 1)
+    problems, _ = check_loadable(Checkpoint(enable=True, folder=url), "/unused", shapes)
+    assert len(problems) == 1 and "out.weight" in problems[0], problems
     # The CLI takes URLs: list, verify, convert.
     assert ckpt_cli(["list", url]) == 0
     assert ckpt_cli(["verify", url]) == 0
@@ -189,3 +203,8 @@ def test_storage_not_installed_names_what_to_install(monkeypatch):
     ):
         storage.as_path("s3://titan/run")
     assert ckpt_cli(["verify", "s3://titan/run"]) == 2
+    # The trainer's config check says it before anything starts.
+    problems = Checkpoint(enable=True, folder="s3://titan/run").validate()
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("[checkpoint] folder = 's3://titan/run': s3://titan/run is on")
+    assert problems[0].endswith("\npip install 'titan-llm-ckpt[s3]'"), problems
