@@ -5,6 +5,8 @@ folder, a SIGKILL in the middle of a save, a flipped byte, and the start-up chec
 
 from __future__ import annotations
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +29,7 @@ from titan_ckpt.errors import CheckpointLoadError
 from titan_core.run_folder import RunFolderError
 
 WORKER = Path(__file__).with_name("s3_crash_worker.py")
+README = Path(__file__).parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +211,38 @@ def test_storage_not_installed_names_what_to_install(monkeypatch):
     assert len(problems) == 1, problems
     assert problems[0].startswith("[checkpoint] folder = 's3://titan/run': s3://titan/run is on")
     assert problems[0].endswith("\npip install 'titan-llm-ckpt[s3]'"), problems
+
+
+def test_readme_remote_commands_run_as_shown(s3, tmp_path, monkeypatch, capsys):
+    """The README's `titan-ckpt` commands on a URL, on a checkpoint at the step they name."""
+    section = README.read_text().split("## Remote storage", 1)[1]
+    block = re.findall(r"```\n(titan-ckpt .*?)```", section, re.S)[0]
+    commands = [shlex.split(line) for line in block.splitlines()]
+    assert [c[1] for c in commands] == ["list", "verify", "convert"]
+    s3.mkdir("bucket")
+    run = build_run()
+    manager = CheckpointManager(
+        Checkpoint(enable=True, interval=1000), run.states(), "s3://bucket/run/checkpoint"
+    )
+    manager.save(1000)
+    manager.close()
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert ckpt_cli(command[1:]) == 0, command
+    assert "s3://bucket/run/checkpoint/step-1000: OK" in capsys.readouterr().out
+    saved = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert_same(full_model(run.model), saved["model"], "the README's dcp-to-torch from S3")
+    # Without credentials: one line that says what to check, no traceback.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    import s3fs  # noqa: PLC0415
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        assert ckpt_cli(["list", "s3://bucket/run/checkpoint"]) == 2
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    err = capsys.readouterr().err
+    assert err.startswith("titan-ckpt: error: the storage refused: NoCredentialsError"), err

@@ -36,7 +36,7 @@ from titan_ckpt.dcp_io import (
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
-from titan_ckpt.storage import StorageUnavailableError, as_path
+from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
@@ -366,6 +366,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         StorageUnavailableError,
     ) as e:
         print(f"titan-ckpt: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not is_store_error(e):
+            raise
+        print(
+            f"titan-ckpt: error: the storage refused: {type(e).__name__}: {e}\ncheck the URL,"
+            " the credentials and the endpoint (AWS_ENDPOINT_URL for an S3-compatible server)",
+            file=sys.stderr,
+        )
         return 2
     return code or 0
 

@@ -94,6 +94,15 @@ def _install_hint(url: str, proto: str, reason: str) -> str:
     return f"{url} is on {proto}:// storage, which is not installed here\n{fix}"
 
 
+STORE_MODULES = ("botocore", "aiobotocore", "s3fs", "gcsfs", "adlfs", "google", "azure")
+
+
+def is_store_error(error: BaseException) -> bool:
+    """An error raised by a store's client (no credentials, no such bucket, ...) rather than
+    by titan-ckpt: shown as one line, not a traceback."""
+    return type(error).__module__.split(".")[0] in STORE_MODULES
+
+
 class RemotePath:
     """A file or folder at a URL, through its fsspec file system: the path operations the
     checkpoint code needs, with pathlib's names. Folders are prefixes on an object store:
