@@ -21,6 +21,7 @@ from titan_ckpt.plugin import build_checkpointer
 from titan_ckpt.preflight import check_loadable, check_space
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.states import ModelState, OptimizerState
+from titan_ckpt.storage import StorageUnavailableError
 
 __version__ = importlib.metadata.version("titan-llm-ckpt")  # the pyproject's version, one source
 
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "UnsafeCheckpointError",
+    "StorageUnavailableError",
     "build_checkpointer",
     "checkpoint_problems",
     "dcp_to_torch_file",

@@ -11,6 +11,9 @@ safetensors and single torch files.
 and reading and writing only those parts of the files:
 
     torchrun --nproc-per-node 8 --no-python titan-ckpt convert dcp-to-hf step-1000 hf_out
+
+A checkpoint or folder may be a URL (s3://bucket/run/checkpoint, any fsspec storage; for S3,
+`pip install 'titan-llm-ckpt[s3]'`, and AWS_ENDPOINT_URL for an S3-compatible server).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from titan_ckpt.dcp_io import (
 from titan_ckpt.hf import DTYPES
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
+from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
@@ -161,7 +165,7 @@ def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
 
 
 def _dcp_to_hf(a: argparse.Namespace) -> None:
-    ckpt = Path(a.checkpoint)
+    ckpt = as_path(a.checkpoint)
     _require_checkpoint(ckpt)
     saved_name, saved_flavor = _model_from_config(ckpt)
     name = a.model or saved_name
@@ -195,7 +199,7 @@ def _hf_to_dcp(a: argparse.Namespace) -> None:
 
 
 def _dcp_to_torch(a: argparse.Namespace) -> None:
-    ckpt = Path(a.checkpoint)
+    ckpt = as_path(a.checkpoint)
     _require_checkpoint(ckpt)
     dcp_to_torch_file(ckpt, a.out, model_only=a.model_only)
     print(f"wrote {a.out} (load with torch.load(path, weights_only=True))")
@@ -223,7 +227,7 @@ def _list(a: argparse.Namespace) -> None:
 
 def _verify(a: argparse.Namespace) -> int:
     """Check checkpoints offline, as a resume does, every byte: exit 1 if any fails."""
-    target = Path(a.path)
+    target = as_path(a.path)
     unmarked: list[Path] = []
     if (target / layout.COMMIT_FILE).exists():
         paths = [target]
@@ -396,8 +400,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         started = _process_group(args)
         code = args.func(args)
-    except (CliError, FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
+    except (
+        CliError,
+        FileNotFoundError,
+        ValueError,
+        UnsafeCheckpointError,
+        StorageUnavailableError,
+    ) as e:
         print(f"titan-ckpt: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not is_store_error(e):
+            raise
+        print(
+            f"titan-ckpt: error: the storage refused: {type(e).__name__}: {e}\ncheck the URL,"
+            " the credentials and the endpoint (AWS_ENDPOINT_URL for an S3-compatible server)",
+            file=sys.stderr,
+        )
         return 2
     finally:
         if started:

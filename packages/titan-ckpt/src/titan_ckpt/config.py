@@ -13,7 +13,10 @@ class Checkpoint:
     enable: bool = False
     """Save checkpoints and resume from the newest complete one in `folder`."""
     folder: str = "checkpoint"
-    """Where checkpoints go, relative to [job] dump_folder (one `step-<N>` folder per save)."""
+    """Where checkpoints go (one `step-<N>` folder per save): relative to [job] dump_folder, an
+    absolute path, or a URL of remote storage: `s3://bucket/run/checkpoint`, or any fsspec URL
+    (S3 needs `pip install 'titan-llm-ckpt[s3]'`; an S3-compatible server is named by the
+    AWS_ENDPOINT_URL environment variable, credentials as for any AWS tool)."""
     interval: int = 500
     """Save every this many steps (and always at the last step)."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
@@ -81,6 +84,10 @@ class Checkpoint:
                     f"[checkpoint] exclude_from_loading names unknown state {name!r}\n"
                     f"allowed: {', '.join(sorted(known))}"
                 )
+        for key in ("folder", "initial_load_path"):
+            problem = _storage_problem(key, getattr(self, key))
+            if problem:
+                problems.append(problem)
         if self.initial_load_in_hf and not self.initial_load_path:
             problems.append(
                 "[checkpoint] initial_load_in_hf = true needs initial_load_path\nname the HF folder"
@@ -90,3 +97,16 @@ class Checkpoint:
                 "[checkpoint] initial_load_in_hf = true holds model weights only\nset initial_load_model_only = true"
             )
         return problems
+
+
+def _storage_problem(key: str, value: str | None) -> str | None:
+    """A URL whose storage is not installed here, named before anything starts."""
+    from titan_ckpt.storage import StorageUnavailableError, filesystem, is_url  # noqa: PLC0415
+
+    if not value or not is_url(value):
+        return None
+    try:
+        filesystem(value)
+    except StorageUnavailableError as e:
+        return f"[checkpoint] {key} = {value!r}: {e}"
+    return None

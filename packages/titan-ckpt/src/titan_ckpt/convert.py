@@ -24,7 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from titan_ckpt.dcp_io import SafeLoadPlanner, checkpoint_keys, save_model_checkpoint
 from titan_ckpt.hf_files import DTYPES, SafetensorsFolder
 from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
-from titan_ckpt.safe_read import SafeFileSystemReader
+from titan_ckpt.safe_read import safe_reader
 from titan_core.protocols import HFAdapter
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -82,7 +82,7 @@ def dcp_to_hf(
     state = empty_shards(shapes, mesh)
     dcp.load(
         {"model": state},
-        storage_reader=SafeFileSystemReader(str(ckpt)),
+        storage_reader=safe_reader(ckpt),
         planner=SafeLoadPlanner(),
         no_dist=mesh is None,
     )
