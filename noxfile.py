@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nox
@@ -283,21 +282,17 @@ for _dist in LIBRARIES:
 
 @nox.session(venv_backend="none")
 def summary(session: nox.Session) -> None:
-    """Add up the test results of the sessions that ran before it (one closing line)."""
-    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    for path in sorted(JUNIT.glob("*.xml")):
-        root = ET.parse(path).getroot()
-        for suite in root.iter("testsuite"):
-            for key in totals:
-                totals[key] += int(suite.get(key, 0))
-        path.unlink()
-    failed = totals["failures"] + totals["errors"]
-    passed = totals["tests"] - failed - totals["skipped"]
-    print(
-        f"summary: {passed} passed, {failed} failed, {totals['skipped']} skipped", file=sys.stderr
-    )
-    if failed or not totals["tests"]:
-        session.error("some tests failed" if failed else "no test ran")
+    """Add up the test results of the sessions that ran before it, and list the slowest tests
+    across all of them (tools/junit_summary.py); then clear the results for the next run."""
+    paths = sorted(JUNIT.glob("*.xml"))
+    try:  # exit status 1 (the session fails) when a test failed or none ran
+        session.run(
+            sys.executable, str(ROOT / "tools" / "junit_summary.py"), *map(str, paths),
+            f"--slowest={DURATIONS}", external=True,
+        )  # fmt: skip
+    finally:
+        for path in paths:
+            path.unlink()
 
 
 @nox.session(venv_backend="none")
