@@ -42,6 +42,12 @@ PACKAGES = {
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
 DURATIONS = 25
+# Test processes compute on one thread each (the processes they start inherit it): at test
+# sizes a second thread mostly waits at OpenMP's barriers, and on a loaded machine it burns
+# the CPU spinning there (a test's generation step measured 14x the CPU time on two threads:
+# 13.3 s against 0.9 s, at load 20 on 2 cores). Tests that start several processes run side
+# by side on the cores instead.
+TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
@@ -109,7 +115,7 @@ for _dist in PACKAGES:
     @nox.session(name=f"tests-{_dist}", venv_backend="none")
     def tests(session: nox.Session, dist: str = _dist) -> None:
         """One package's tests in the workspace environment."""
-        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist))
+        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist), env=TEST_ENV)
 
 
 for _dist in PACKAGES:
@@ -170,7 +176,10 @@ def _pytest_outside_the_repo(session: nox.Session, *args: str) -> None:
     """pytest in the session's venv, run from outside the repo so that only the installed
     wheels can be imported (no source folder on sys.path)."""
     session.chdir(session.create_tmp())
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args)
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args,
+        env=TEST_ENV,
+    )  # fmt: skip
 
 
 def _requirement_name(requirement: str) -> str:
