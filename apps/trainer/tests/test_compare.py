@@ -111,7 +111,9 @@ def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypat
     records: list[logging.LogRecord] = []
     listener = logging.Handler()
     listener.emit = records.append
-    monkeypatch.setattr(titan, "level", logging.INFO)
+    # setLevel, not the attribute: it also clears the cached levels of the child loggers.
+    level = titan.level
+    titan.setLevel(logging.INFO)
     titan.addHandler(listener)
     try:
         logger = MetricsLogger(str(tmp_path), "tb", False, 0, plots_folder="plots")
@@ -119,6 +121,7 @@ def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypat
         logger.close()
     finally:
         titan.removeHandler(listener)
+        titan.setLevel(level)
     assert not (tmp_path / "plots").exists()
     said = [r.getMessage() for r in records if "matplotlib" in r.getMessage()]
     assert said == [

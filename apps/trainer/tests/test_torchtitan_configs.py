@@ -159,9 +159,14 @@ def world_size(path: Path) -> int:
 
 
 @pytest.fixture
-def torchtitan_checkout(tmp_path, monkeypatch):
+def torchtitan_checkout(tmp_path, monkeypatch, hf_tokenizer_folders):
     """A working directory laid out as torchtitan's: `c4_test` is its tests/assets/c4_test
-    (a few documents of our own here)."""
+    (a few documents of our own here), tests/assets/tokenizer its test tokenizer (a Hugging
+    Face tokenizer.json with its tokenizer_config.json; ours is trained on the embedded
+    corpus)."""
+    import shutil
+
+    shutil.copytree(hf_tokenizer_folders["llama"], tmp_path / "tests/assets/tokenizer")
     sample = tmp_path / "tests/assets/c4_test"
     sample.mkdir(parents=True)
     rows = [{"text": f"Sample document {i}. " * 40, "url": "local"} for i in range(30)]
@@ -192,17 +197,25 @@ def test_each_torchtitan_style_toml_passes_the_dry_run_checks_or_is_refused_by_n
     torchtitan_checkout, caplog
 ):
     outcomes = {}
+    tokenizer_files = 0
     for path in sorted(FOLDER.glob("*.toml")):
         try:
             config = load_config(JobConfig, ["--job.config_file", str(path)])
         except ConfigError as e:
             outcomes[path.stem] = str(e)
             continue
-        problems, notes, _ = preflight_problems(config, world_size(path), dry_run=True)
+        problems, notes, vocab_size = preflight_problems(config, world_size(path), dry_run=True)
         outcomes[path.stem] = "\n".join(problems) or None
+        if config.model.hf_assets_path == "./tests/assets/tokenizer" and not problems:
+            # torchtitan's test tokenizer folder: its tokenizer.json is loaded and sizes the
+            # vocabulary (1,000 BPE ids and 3 special tokens), not the flavor's default.
+            assert not [n for n in notes if "cannot be loaded" in n], (path.stem, notes)
+            assert vocab_size == 1003, (path.stem, vocab_size)
+            tokenizer_files += 1
         if path.stem in ("llama3_debug_model", "llama4_debug_model", "qwen3_moe_debug"):
             # c4_test is the folder torchtitan reads it from, relative to where it runs.
             assert "[training] dataset: c4_test: 1 jsonl file (tests/assets/c4_test)" in notes
+    assert tokenizer_files >= 5  # the debug configs that read torchtitan's test tokenizer
     for name, expected in OUTCOMES.items():
         if expected is None:
             assert outcomes[name] is None, (name, outcomes[name])
