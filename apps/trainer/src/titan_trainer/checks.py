@@ -189,7 +189,28 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
         changes["vocab_size"] = padded
     if "max_seq_len" in fields:
         changes["max_seq_len"] = config.training.seq_len
+    if config.model.n_mtp_layers is not None and "n_mtp_layers" in fields:
+        changes["n_mtp_layers"] = config.model.n_mtp_layers
     return dataclasses.replace(args, **changes)
+
+
+def _mtp_problems(config: JobConfig, spec) -> list[str]:
+    """`[model] n_mtp_layers` needs a family that has multi-token-prediction layers."""
+    wanted = config.model.n_mtp_layers
+    if wanted is None:
+        return []
+    if wanted < 0:
+        return [
+            f"[model] n_mtp_layers = {wanted} is not valid\nuse 0 (none) or more, or leave it"
+            " unset for the flavor's"
+        ]
+    args = spec.flavors[config.model.flavor]
+    if wanted and not any(f.name == "n_mtp_layers" for f in dataclasses.fields(args)):
+        return [
+            f"[model] n_mtp_layers = {wanted}: {config.model.name} has no multi-token-prediction"
+            " layers (deepseek_v3 has)\nleave n_mtp_layers unset for this model"
+        ]
+    return []
 
 
 def preflight_problems(
@@ -253,6 +274,9 @@ def preflight_problems(
         if not found and open_datasets:
             found = _dataset_open_problems(data, section, dataset, path)
         problems += found
+    mtp = _mtp_problems(config, spec)
+    if mtp:  # the checks below build the model
+        return problems + mtp, notes, vocab_size
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
     problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)

@@ -49,6 +49,12 @@ class Model:
     without a BOS at the EOS ending the previous one), so that packed documents do not see each
     other. FlexAttention on CUDA, a dense mask elsewhere; the
     model's forward must take `document_ids` (titan-models' do). Not with context parallel."""
+    n_mtp_layers: int | None = None
+    """Multi-token-prediction layers (DeepSeek-V3's MTP modules: D layers after the blocks
+    that predict the tokens 2..D+1 positions ahead, trained with `[training]
+    mtp_loss_weight`, dropped for inference). Unset: the flavor's (deepseek_v3 debugmodel and
+    671B: 1); 0 trains without them. Only for a family that has them (deepseek_v3). Not with
+    context parallel."""
 
     def tokenizer_source(self) -> tuple[str, str | None]:
         """(what the tokenizer is loaded from, a note when two keys name one). tokenizer_path
@@ -208,6 +214,10 @@ class Training:
     """Seed for initialisation and data order; none picks 0."""
     deterministic: bool = False
     """Use deterministic kernels (slower)."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token-prediction loss (for a model with `[model] n_mtp_layers`):
+    loss = next-token loss + mtp_loss_weight x the mean of the D depths' losses. DeepSeek-V3
+    used 0.3 for its first 10T tokens, then 0.1. The logged loss is this sum."""
     dataloader: DataLoaderOptions = field(default_factory=DataLoaderOptions)
 
     def validate(self) -> list[str]:
@@ -226,6 +236,11 @@ class Training:
             problems.append(
                 f"[training] max_nonfinite_in_a_row = {self.max_nonfinite_in_a_row} is not valid\n"
                 "use 0 (stop at the first) or the number of bad steps in a row to skip"
+            )
+        if self.mtp_loss_weight < 0:
+            problems.append(
+                f"[training] mtp_loss_weight = {self.mtp_loss_weight} is not valid\n"
+                "use 0 or more (DeepSeek-V3: 0.3, then 0.1)"
             )
         if self.max_norm < 0:
             problems.append(

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_core import (
@@ -75,6 +74,7 @@ from titan_trainer.guards import (
 )
 from titan_trainer.loader_state import checkpointed_loader, plugin_kwargs
 from titan_trainer.logs import rank_logging
+from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.optimizer import build_optimizer, current_lr
@@ -134,11 +134,6 @@ class TrainResult:
     stopped_by: str | None = None
     """What stopped the run before its last step: "SIGTERM" (after saving a checkpoint when
     checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def build_converters(config: JobConfig, dims: ParallelDims) -> list:

@@ -29,6 +29,7 @@ TPStyle = Literal[
     "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
     "per_head",  # a module applied to each head of [batch, seq, heads, head_dim] (QK-norm): weights replicated, gradients summed over the ranks' heads
     "head_shared",  # a module whose output each rank combines with its own heads only (MLA's rotary key): weights replicated, the output's gradient summed over the ranks
+    "per_token",  # a module applied to each position alone whose output enters a block (multi-token prediction's eh_proj): weights replicated, run on the sequence shards with SP, output a plain shard
 ]
 """How one submodule is split across the tensor-parallel group (see `TPPlan`)."""
 
@@ -108,7 +109,10 @@ class ParallelizableModel(Protocol):
     activation checkpointing and compile wrap each block, and pipeline parallel deletes the
     blocks a stage does not own while the fully qualified names of the rest stay stable.
     The modules named in `pre_blocks`/`post_blocks` may be set to None by pipeline parallel,
-    and `forward` must then pass its input through them unchanged.
+    and `forward` must then pass its input through them unchanged. `post_blocks` may also
+    name blocks of `layers` ("layers.K") that `forward` runs after the output projection
+    (multi-token-prediction layers): pipeline parallel keeps them on the last stage, and a
+    stage without them passes on what they would read.
 
     Optional: `init_plan()` and `init_buffers(buffer_device)` (initial values as data, which
     titan-parallel's `init_weights_exact` uses to initialise any layout without holding the

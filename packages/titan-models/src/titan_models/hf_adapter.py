@@ -15,6 +15,13 @@ converts; a transform's tensors convert once all of them are there, and an unkno
 incomplete name raises a KeyError that names it. Tied embeddings: Hugging Face's tied
 checkpoints carry only `embed_tokens`; ours has the shared matrix under both names. Tensors
 must be full (unsharded): gather DTensors before converting.
+
+Multi-token-prediction layers (`titan_models.mtp`, `n_mtp_layers` in the args) are the layers
+after the main blocks in both, named as in DeepSeek-V3's checkpoints (`model.layers.61.*`):
+the block's names as in any layer, plus `MTP_NAMES`. DeepSeek's checkpoints also keep a copy
+of the embedding and of the output projection in each of them (`MTP_SHARED`), which ours
+shares with the main model: `to_hf` writes the copies, and `from_hf` checks that they equal
+the main model's (a ValueError names the one that differs) and leaves them out.
 """
 
 from __future__ import annotations
@@ -43,6 +50,18 @@ NORM_NAMES = {
 """A block's two RMSNorms."""
 EXPERT_WEIGHTS = ("feed_forward.experts.w1", "feed_forward.experts.w3", "feed_forward.experts.w2")
 """A mixture-of-experts block's stacked expert weights (`titan_models.moe.GroupedExperts`)."""
+MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+"""A multi-token-prediction layer's own tensors (`titan_models.mtp.MTPLayer`)."""
+MTP_SHARED = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
+"""Hugging Face's copies, in each multi-token-prediction layer, of our shared matrices."""
 
 
 def attention_names() -> dict[str, str]:
@@ -196,6 +215,10 @@ class DecoderHFAdapter:
         self._transforms = self.transforms()
         self._taker = {name: t for t in self._transforms for name in t.ours}
         self._to_hf_layer = {o: h for o, h in self.layer_names.items() if o not in self._taker}
+        n, depth = args.n_layers, getattr(args, "n_mtp_layers", 0)
+        self._mtp_layers = [str(i) for i in range(n, n + depth)]
+        if depth:
+            self._to_hf_layer |= MTP_NAMES
         self._from_hf_layer = {h: o for o, h in self._to_hf_layer.items()}
         self._from_hf_root = {h: o for o, h in ROOT_NAMES.items()}
 
@@ -234,6 +257,7 @@ class DecoderHFAdapter:
         pending: dict[tuple[str, Transform], dict] = defaultdict(dict)
         for name, tensor in state_dict.items():
             if name in ROOT_NAMES:
+                out |= self._mtp_copies(name, tensor)
                 if name == "output.weight" and self.args.tie_word_embeddings:
                     continue  # Hugging Face's tied checkpoints carry only embed_tokens
                 out[ROOT_NAMES[name]] = tensor
@@ -256,6 +280,14 @@ class DecoderHFAdapter:
             out.setdefault("model.embed_tokens.weight", state_dict["output.weight"])
         return out
 
+    def _mtp_copies(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """DeepSeek's copies of a shared matrix in each multi-token-prediction layer."""
+        if name not in MTP_SHARED.values():
+            return {}
+        tied = self.args.tie_word_embeddings  # then both copies are the one matrix
+        suffixes = [h for h, o in MTP_SHARED.items() if o == name or tied]
+        return {f"model.layers.{i}.{h}": tensor for i in self._mtp_layers for h in suffixes}
+
     def _converted(self, layer: str, transform: Transform, parts: dict) -> dict[str, torch.Tensor]:
         hf = transform.to_hf(parts, f"{type(self).__name__}.to_hf: layer {layer}")
         return {f"model.layers.{layer}.{n}": t for n, t in hf.items()}
@@ -264,12 +296,16 @@ class DecoderHFAdapter:
         out: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, Transform], dict] = defaultdict(dict)
         layers: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        copies: dict[str, torch.Tensor] = {}
         for name, tensor in hf_state_dict.items():
             if name in self._from_hf_root:
                 out[self._from_hf_root[name]] = tensor
                 continue
             match = HF_LAYER.fullmatch(name)
             layer, suffix = match.groups() if match else (None, None)
+            if layer in self._mtp_layers and suffix in MTP_SHARED:
+                copies[name] = tensor
+                continue
             if suffix in self._from_hf_layer:
                 layers[layer][self._from_hf_layer[suffix]] = tensor
                 continue
@@ -290,7 +326,24 @@ class DecoderHFAdapter:
             shared = out.get("tok_embeddings.weight", out.get("output.weight"))
             if shared is not None:
                 out["tok_embeddings.weight"] = out["output.weight"] = shared
+        self._check_mtp_copies(copies, out)
         return out
+
+    def _check_mtp_copies(self, copies: dict[str, torch.Tensor], ours: dict) -> None:
+        """Each multi-token-prediction layer's copy of a shared matrix must equal the main
+        model's (when the state dict holds both): ours has one matrix for both uses."""
+        for name, tensor in copies.items():
+            shared = MTP_SHARED[HF_LAYER.fullmatch(name).group(2)]
+            if self.args.tie_word_embeddings:
+                shared = "tok_embeddings.weight"
+            main = ours.get(shared)
+            if main is not None and not torch.equal(main, tensor):
+                raise ValueError(
+                    f"{type(self).__name__}.from_hf: {name} differs from the main model's"
+                    f" {ROOT_NAMES[shared]}, but the multi-token-prediction layers share it (as"
+                    " DeepSeek-V3 trains them)\nimport into a flavor with n_mtp_layers = 0 to"
+                    " leave the MTP layers out"
+                )
 
     def _hf_taker(self, hf_name: str) -> tuple[Transform, Hashable] | None:
         """The transform that takes this Hugging Face name (relative to the block), and the
