@@ -7,6 +7,7 @@
     uv run nox -t compat                   # lowest/highest torch x oldest/newest Python
     uv run nox -s bench                    # benchmarks (not in the default set)
     uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
+    uv run nox -s slow                     # tests marked slow (not in the default set)
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
 a venv of their own: torch is large and the lock already pins it. Isolated sessions build
@@ -91,6 +92,9 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
         "-q",
         # The slowest tests, so that CI time stays visible where it goes.
         f"--durations={DURATIONS}",
+        # Tests marked slow (the same check at a larger size) run in `nox -s slow`.
+        "-m",
+        "not slow",
         *session.posargs,
     ]
 
@@ -347,6 +351,19 @@ def gpu(session: nox.Session) -> None:
             "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "gpu",
             "-rs", f"--durations={DURATIONS}", *session.posargs,
             success_codes=[0, 5],  # 5: none of this package's tests is marked gpu
+        )  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def slow(session: nox.Session) -> None:
+    """The tests marked `slow`, of every package, in the workspace env (not in the default set):
+    checks the default suite runs at a smaller size, at the size their claim is about (the
+    sharded Hugging Face import/export of a 313 MB model on 4 ranks)."""
+    for dist in PACKAGES:
+        session.run(
+            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "slow",
+            "-s", f"--durations={DURATIONS}", *session.posargs,
+            success_codes=[0, 5],  # 5: none of this package's tests is marked slow
         )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from titan_ckpt.dcp_io import (
 )
 from titan_ckpt.errors import CheckpointLoadError, CheckpointSaveError
 from titan_ckpt.hf import export_hf, import_hf, read_safetensors
+from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
 from titan_ckpt.layout import list_checkpoints
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
@@ -37,11 +38,13 @@ __all__ = [
     "export_hf",
     "import_hf",
     "list_checkpoints",
+    "load_hf_weights",
     "load_consolidated",
     "nonfinite_tensors",
     "value_problems",
     "ModelState",
     "OptimizerState",
     "read_safetensors",
+    "save_hf_weights",
     "save_model_checkpoint",
 ]

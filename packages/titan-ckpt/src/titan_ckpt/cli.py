@@ -6,6 +6,11 @@ safetensors and single torch files.
     titan-ckpt convert dcp-to-hf   OUTPUTS/checkpoint/step-1000 hf_out --model llama3 --flavor 8B
     titan-ckpt convert hf-to-dcp   hf_in  step-0 --model llama3 --flavor 8B
     titan-ckpt convert dcp-to-torch OUTPUTS/checkpoint/step-1000 model.pt --model-only
+
+`dcp-to-hf` and `hf-to-dcp` also run on several processes, each holding 1/N of every tensor
+and reading and writing only those parts of the files:
+
+    torchrun --nproc-per-node 8 --no-python titan-ckpt convert dcp-to-hf step-1000 hf_out
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import os
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -20,17 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from titan_ckpt import layout
+from titan_ckpt.convert import dcp_to_hf, hf_to_dcp
 from titan_ckpt.dcp_io import (
     checkpoint_keys,
     checkpoint_problems,
     dcp_to_torch_file,
-    load_consolidated,
-    save_model_checkpoint,
     value_problems,
 )
-from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.hf import DTYPES
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
@@ -169,20 +175,21 @@ def _dcp_to_hf(a: argparse.Namespace) -> None:
     adapter = build_hf_adapter(
         spec, _checkpoint_args(spec, args, ckpt, given), bos_token_id=bos, eos_token_id=eos
     )
-    state = load_consolidated(ckpt, "model.")
-    files = export_hf(
-        state, adapter, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30)
+    files = dcp_to_hf(
+        ckpt,
+        a.out,
+        adapter,
+        dtype=a.dtype,
+        max_shard_bytes=int(a.max_shard_gb * 2**30),
+        progress=_rank() == 0,
     )
-    print(f"wrote {len(files)} files to {a.out}")
+    _say(f"wrote {len(files)} files to {a.out}")
 
 
 def _hf_to_dcp(a: argparse.Namespace) -> None:
     adapter = build_adapter(a.model, a.flavor, a.set)
-    state = import_hf(a.hf_folder, adapter)
-    if a.dtype:
-        state = {k: v.to(DTYPES[a.dtype]) if v.is_floating_point() else v for k, v in state.items()}
-    out = save_model_checkpoint(state, a.out, step=a.step)
-    print(
+    out = hf_to_dcp(a.hf_folder, a.out, adapter, dtype=a.dtype, step=a.step, progress=_rank() == 0)
+    _say(
         f"wrote model-only checkpoint {out} (use it as [checkpoint] initial_load_path, or as step-{a.step} of a run)"
     )
 
@@ -265,12 +272,17 @@ def _step_order(path: Path) -> tuple[int, str]:
 
 
 def _require_checkpoint(path: Path) -> None:
-    """A complete checkpoint whose files pass their checksums (see `verify`)."""
+    """A complete checkpoint whose files pass their checksums (see `verify`); under torchrun
+    each rank checks its share of the files."""
     if not layout.is_complete(path):
         raise CliError(
             f"{path} is not a complete checkpoint folder (no {layout.COMMIT_FILE} or .metadata)"
         )
-    problems = checkpoint_problems(path)
+    problems = checkpoint_problems(path, _rank(), _world())
+    if _world() > 1:
+        parts: list[list[str] | None] = [None] * _world()
+        dist.all_gather_object(parts, problems)
+        problems = [p for part in parts for p in part or []]
     if problems:
         raise CliError(f"{path} failed verification: " + "; ".join(problems))
 
@@ -350,13 +362,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _world() > 1 else 0
+
+
+def _say(text: str) -> None:
+    if _rank() == 0:
+        print(text)
+
+
+def _process_group(args: argparse.Namespace) -> bool:
+    """Under torchrun (WORLD_SIZE > 1) the conversions to and from Hugging Face run on every
+    rank, over gloo: start its process group. Other commands are one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if getattr(args, "kind", None) not in ("dcp-to-hf", "hf-to-dcp"):
+        raise CliError(
+            f"titan-ckpt {args.command} {getattr(args, 'kind', '') or ''}".rstrip()
+            + " runs in one process; run it without torchrun (only convert dcp-to-hf and"
+            " hf-to-dcp run on several ranks)"
+        )
+    dist.init_process_group("gloo")
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    started = False
     try:
+        started = _process_group(args)
         code = args.func(args)
     except (CliError, FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
         print(f"titan-ckpt: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if started:
+            dist.destroy_process_group()
     return code or 0
 
 

@@ -39,14 +39,15 @@ class Checkpoint:
     """Dtype of model-only final saves and of Hugging Face exports."""
     last_save_in_hf: bool = False
     """At the last step, also write Hugging Face safetensors + config.json into `step-<N>/hf`
-    (needs a model with an HF adapter)."""
+    (needs a model with an HF adapter); each rank writes its own shards, none gathers the model."""
     initial_load_path: str | None = None
     """A checkpoint to start from when `folder` holds none (a `step-<N>` folder, or a Hugging Face
     folder with `initial_load_in_hf`)."""
     initial_load_model_only: bool = True
     """Take only the model weights from `initial_load_path` (fine-tuning from a pretrained model)."""
     initial_load_in_hf: bool = False
-    """`initial_load_path` holds Hugging Face safetensors (needs a model with an HF adapter)."""
+    """`initial_load_path` holds Hugging Face safetensors (needs a model with an HF adapter); each
+    rank reads only the parts of the files its own shards need."""
     create_seed_checkpoint: bool = False
     """Write a model-only `step-0` checkpoint (usually from one process) and stop; later runs in any
     parallel layout start from these exact weights."""

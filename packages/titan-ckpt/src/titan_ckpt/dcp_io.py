@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -277,19 +278,28 @@ def _heads(path: str | Path) -> str:
 def save_model_checkpoint(
     state_dict: dict[str, torch.Tensor], path: str | Path, step: int = 0
 ) -> Path:
-    """Write `state_dict` as a committed, model-only checkpoint folder `path` (one process)."""
+    """Write `state_dict` as a committed, model-only checkpoint folder `path`: by one process,
+    or, when a process group is up, by every rank (a collective), each writing its own shards
+    of the DTensors, rank 0 committing."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     final.parent.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": state_dict}, storage_writer=ChecksummingWriter(str(tmp)), no_dist=True)
-    record = {
-        "step": step,
-        "states": ["model"],
-        "model_only": True,
-        "world_size": 1,
-        "dp_world_size": 1,
-    }
-    layout.commit(tmp, final, record)
+    group = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if group else 1
+    dcp.save({"model": state_dict}, storage_writer=ChecksummingWriter(str(tmp)), no_dist=not group)
+    if group:
+        dist.barrier()  # every rank's files and checksums are written
+    if not group or dist.get_rank() == 0:
+        record = {
+            "step": step,
+            "states": ["model"],
+            "model_only": True,
+            "world_size": world,
+            "dp_world_size": world,
+        }
+        layout.commit(tmp, final, record)
+    if group:
+        dist.barrier()
     return final
 
 

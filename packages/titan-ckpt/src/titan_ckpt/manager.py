@@ -42,7 +42,8 @@ from titan_ckpt.errors import (
     first_line,
     os_error,
 )
-from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.hf import DTYPES
+from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
 from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries
 from titan_ckpt.safe_read import SafeFileSystemReader
 from titan_ckpt.staging import build_stager
@@ -399,11 +400,8 @@ class CheckpointManager:
             raise ValueError(
                 "[checkpoint] last_save_in_hf = true needs the model's HF adapter; this model has none"
             )
-        full = ModelState(
-            self._model_parts
-        ).full_state_dict()  # a collective: every rank takes part
-        if self.rank == 0:
-            export_hf(full, self.hf_adapter, out, dtype=self.config.export_dtype, progress=False)
+        # Every rank writes its own shards (a collective); no rank gathers the model.
+        save_hf_weights(self._model_parts, self.hf_adapter, out, dtype=self.config.export_dtype)
 
     # ------------------------------------------------------------------ load
     def load(self, step: int = -1) -> int | None:
@@ -624,9 +622,8 @@ class CheckpointManager:
                 raise ValueError(
                     "[checkpoint] initial_load_in_hf = true needs the model's HF adapter; this model has none"
                 )
-            ModelState(self._model_parts).load_full_state_dict(
-                import_hf(path, self.hf_adapter, progress=self.rank == 0)
-            )
+            # Every rank reads the parts of the files its own shards need.
+            load_hf_weights(self._model_parts, self.hf_adapter, path, progress=self.rank == 0)
             log.info("initialised the model from Hugging Face weights in %s", path)
             return 0
         if not layout.is_complete(path):

@@ -22,16 +22,25 @@ the block's names as in any layer, plus `MTP_NAMES`. DeepSeek's checkpoints also
 of the embedding and of the output projection in each of them (`MTP_SHARED`), which ours
 shares with the main model: `to_hf` writes the copies, and `from_hf` checks that they equal
 the main model's (a ValueError names the one that differs) and leaves them out.
+
+`to_hf_slices` and `from_hf_slice` (`titan_core.protocols.SlicedHFAdapter`) convert one box
+of one tensor instead, each transform saying which boxes of theirs a box of ours covers:
+titan-ckpt imports and exports sharded models with them, each rank touching its own shards
+only. The multi-token-prediction copies are written with the matrix they copy; an import
+reads the main model's matrix only (the whole-dict `from_hf` is the one that compares them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
+
+from titan_core.protocols import Box, HFSlice
 
 ROOT_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -84,10 +93,26 @@ def gqa_config(args: Any) -> dict[str, Any]:
     }
 
 
+Read = Callable[[HFSlice], torch.Tensor]
+"""Reads a box of a Hugging Face tensor (see `SlicedHFAdapter.from_hf_slice`)."""
+
+
+def box_shape(index: Box) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in index)
+
+
+def _shifted(index: Box, dim: int, offset: int) -> Box:
+    moved = slice(index[dim].start + offset, index[dim].stop + offset)
+    return (*index[:dim], moved, *index[dim + 1 :])
+
+
 class Transform:
     """Some of a block's tensors that are more than renamed: `ours` (names relative to the
     block) to Hugging Face's and back. `where` (e.g. "LlamaHFAdapter.to_hf: layer 3") starts
-    any error message."""
+    any error message.
+
+    `to_hf_slices` and `from_hf_slice` do the same for one box of one of `ours` (see
+    `titan_core.protocols.SlicedHFAdapter`), with names relative to the block."""
 
     ours: tuple[str, ...] = ()
     theirs: str | None = None
@@ -105,6 +130,16 @@ class Transform:
 
     def complete(self, layer: dict[str, torch.Tensor]) -> None:
         """After import: add to one block's converted tensors what Hugging Face's lack."""
+
+    def to_hf_slices(
+        self, name: str, shape: tuple[int, ...], index: Box, tensor: torch.Tensor, where: str
+    ) -> list[tuple[HFSlice, torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__} converts whole tensors only")
+
+    def from_hf_slice(
+        self, name: str, shape: tuple[int, ...], index: Box, read: Read, where: str
+    ) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} converts whole tensors only")
 
 
 class Joined(Transform):
@@ -128,6 +163,21 @@ class Joined(Transform):
         else:
             pieces = tensor.split(self.sizes, dim=self.dim)
         return {n: piece.contiguous() for n, piece in zip(self.ours, pieces)}
+
+    def _placed(self, name: str, shape: tuple[int, ...], index: Box) -> HFSlice:
+        """Where box `index` of our `name` lies in theirs: moved along `dim` past the parts
+        before it."""
+        dim = self.dim % len(shape)
+        sizes = self.sizes or [shape[dim]] * len(self.ours)
+        part = self.ours.index(name)
+        theirs_shape = (*shape[:dim], sum(sizes), *shape[dim + 1 :])
+        return HFSlice(self.theirs, theirs_shape, _shifted(index, dim, sum(sizes[:part])))
+
+    def to_hf_slices(self, name, shape, index, tensor, where):
+        return [(self._placed(name, shape, index), tensor)]
+
+    def from_hf_slice(self, name, shape, index, read, where):
+        return read(self._placed(name, shape, index))
 
 
 class PerExpert(Transform):
@@ -162,6 +212,21 @@ class PerExpert(Transform):
             )
         return {self.ours[0]: torch.stack([parts[e].t() for e in range(n)])}
 
+    def _expert_slices(self, shape: tuple[int, ...], index: Box) -> list[HFSlice]:
+        """Box (experts, in, out) of ours: the box (out, in) of each of those experts."""
+        experts, ins, outs = index
+        return [
+            HFSlice(self.theirs.format(e), (shape[2], shape[1]), (outs, ins))
+            for e in range(experts.start, experts.stop)
+        ]
+
+    def to_hf_slices(self, name, shape, index, tensor, where):
+        slices = self._expert_slices(shape, index)
+        return [(hf, w.t()) for hf, w in zip(slices, tensor.unbind(0))]
+
+    def from_hf_slice(self, name, shape, index, read, where):
+        return torch.stack([read(hf).t() for hf in self._expert_slices(shape, index)])
+
 
 class ZeroOnly(Transform):
     """A tensor of ours that their format has no place for: exported only while it is zero
@@ -186,6 +251,13 @@ class ZeroOnly(Transform):
         if any(torch.count_nonzero(t) for t in parts.values()):
             raise ValueError(f"{where} has {self.refusal}")
         return {}
+
+    def to_hf_slices(self, name, shape, index, tensor, where):
+        self.to_hf({name: tensor}, where)
+        return []
+
+    def from_hf_slice(self, name, shape, index, read, where):
+        return torch.zeros(box_shape(index), dtype=torch.float32)
 
     def complete(self, layer):
         present = [layer[n] for n in self.alongside if n in layer]
@@ -344,6 +416,50 @@ class DecoderHFAdapter:
                     " DeepSeek-V3 trains them)\nimport into a flavor with n_mtp_layers = 0 to"
                     " leave the MTP layers out"
                 )
+
+    def to_hf_slices(
+        self, name: str, shape: tuple[int, ...], index: Box, tensor: torch.Tensor
+    ) -> list[tuple[HFSlice, torch.Tensor]]:
+        if name in ROOT_NAMES:
+            if name == "output.weight" and self.args.tie_word_embeddings:
+                return []  # written once, as embed_tokens (and its MTP copies with it)
+            names = [ROOT_NAMES[name], *self._mtp_copies(name, tensor)]
+            return [(HFSlice(hf, shape, index), tensor) for hf in names]
+        layer, suffix = self._layer_of(name, "to_hf_slices")
+        prefix = f"model.layers.{layer}."
+        if suffix in self._to_hf_layer:
+            return [(HFSlice(prefix + self._to_hf_layer[suffix], shape, index), tensor)]
+        where = f"{type(self).__name__}.to_hf_slices: layer {layer}"
+        slices = self._taker[suffix].to_hf_slices(suffix, shape, index, tensor, where)
+        return [(dataclasses.replace(hf, name=prefix + hf.name), t) for hf, t in slices]
+
+    def from_hf_slice(
+        self, name: str, shape: tuple[int, ...], index: Box, read: Read
+    ) -> torch.Tensor:
+        if name in ROOT_NAMES:
+            if name == "output.weight" and self.args.tie_word_embeddings:
+                name = "tok_embeddings.weight"  # the one matrix a tied checkpoint carries
+            return read(HFSlice(ROOT_NAMES[name], shape, index))
+        layer, suffix = self._layer_of(name, "from_hf_slice")
+        prefix = f"model.layers.{layer}."
+        if suffix in self._to_hf_layer:
+            return read(HFSlice(prefix + self._to_hf_layer[suffix], shape, index))
+
+        def read_in_block(hf: HFSlice) -> torch.Tensor:
+            return read(dataclasses.replace(hf, name=prefix + hf.name))
+
+        where = f"{type(self).__name__}.from_hf_slice: layer {layer}"
+        return self._taker[suffix].from_hf_slice(suffix, shape, index, read_in_block, where)
+
+    def _layer_of(self, name: str, method: str) -> tuple[str, str]:
+        """A block tensor's layer and name in the block; KeyError for a name we cannot convert."""
+        match = _OURS_LAYER.fullmatch(name)
+        known = match is not None and (
+            match.group(2) in self._to_hf_layer or match.group(2) in self._taker
+        )
+        if not known:
+            raise KeyError(f"{type(self).__name__}.{method}: no Hugging Face name for {name!r}")
+        return match.group(1), match.group(2)
 
     def _hf_taker(self, hf_name: str) -> tuple[Transform, Hashable] | None:
         """The transform that takes this Hugging Face name (relative to the block), and the
