@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nox
@@ -44,6 +43,12 @@ PACKAGES = {
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
 DURATIONS = 25
+# Test processes compute on one thread each (the processes they start inherit it): at test
+# sizes a second thread mostly waits at OpenMP's barriers, and on a loaded machine it burns
+# the CPU spinning there (a test's generation step measured 14x the CPU time on two threads:
+# 13.3 s against 0.9 s, at load 20 on 2 cores). Tests that start several processes run side
+# by side on the cores instead.
+TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
@@ -114,7 +119,7 @@ for _dist in PACKAGES:
     @nox.session(name=f"tests-{_dist}", venv_backend="none")
     def tests(session: nox.Session, dist: str = _dist) -> None:
         """One package's tests in the workspace environment."""
-        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist))
+        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist), env=TEST_ENV)
 
 
 for _dist in PACKAGES:
@@ -175,7 +180,10 @@ def _pytest_outside_the_repo(session: nox.Session, *args: str) -> None:
     """pytest in the session's venv, run from outside the repo so that only the installed
     wheels can be imported (no source folder on sys.path)."""
     session.chdir(session.create_tmp())
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args)
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args,
+        env=TEST_ENV,
+    )  # fmt: skip
 
 
 def _requirement_name(requirement: str) -> str:
@@ -287,21 +295,17 @@ for _dist in LIBRARIES:
 
 @nox.session(venv_backend="none")
 def summary(session: nox.Session) -> None:
-    """Add up the test results of the sessions that ran before it (one closing line)."""
-    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    for path in sorted(JUNIT.glob("*.xml")):
-        root = ET.parse(path).getroot()
-        for suite in root.iter("testsuite"):
-            for key in totals:
-                totals[key] += int(suite.get(key, 0))
-        path.unlink()
-    failed = totals["failures"] + totals["errors"]
-    passed = totals["tests"] - failed - totals["skipped"]
-    print(
-        f"summary: {passed} passed, {failed} failed, {totals['skipped']} skipped", file=sys.stderr
-    )
-    if failed or not totals["tests"]:
-        session.error("some tests failed" if failed else "no test ran")
+    """Add up the test results of the sessions that ran before it, and list the slowest tests
+    across all of them (tools/junit_summary.py); then clear the results for the next run."""
+    paths = sorted(JUNIT.glob("*.xml"))
+    try:  # exit status 1 (the session fails) when a test failed or none ran
+        session.run(
+            sys.executable, str(ROOT / "tools" / "junit_summary.py"), *map(str, paths),
+            f"--slowest={DURATIONS}", external=True,
+        )  # fmt: skip
+    finally:
+        for path in paths:
+            path.unlink()
 
 
 @nox.session(venv_backend="none")
