@@ -149,3 +149,21 @@ def test_cuda_kernels_leave_compiled_code_to_the_compiler():
     x = torch.randn(3, 16)
     with cuda_kernels():
         torch.testing.assert_close(compiled(x), norm(x))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_checkpointed_blocks_recompute_with_the_kernels_their_forward_ran(mode):
+    # The dry run of a GPU job runs its step under cuda_kernels(); a checkpointed block's
+    # recompute (during backward) must run the same operators as its forward, or selective
+    # checkpointing refuses the step ("encountered during backward but not found in storage").
+    torch.manual_seed(0)
+    reference = TinyTransformer(TinyArgs(vocab=64, dim=32, n_heads=4, hidden=64, n_layers=2))
+    model = TinyTransformer(TinyArgs(vocab=64, dim=32, n_heads=4, hidden=64, n_layers=2))
+    model.load_state_dict(reference.state_dict())
+    apply_ac(model, ActivationCheckpoint(mode=mode))
+    tokens = torch.randint(0, 64, (2, 17))
+    cross_entropy(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+    with cuda_kernels():
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)  # float32, same arithmetic

@@ -20,27 +20,28 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 
 @contextlib.contextmanager
 def cuda_kernels() -> Iterator[None]:
     """Run operators whose CUDA kernels save less for backward as those kernels do (see the
-    module docstring)."""
-    with _CudaKernels():
+    module docstring). Not thread-safe: it swaps `torch.rms_norm` for the process.
+
+    A swap rather than a TorchFunctionMode: a mode is not active while autograd recomputes a
+    checkpointed region during backward, so the recompute would run the CPU composition and
+    no longer match what the forward saved (selective checkpointing refuses that)."""
+    original = torch.rms_norm
+
+    def rms_norm(input, normalized_shape, weight=None, eps=None):
+        if torch.compiler.is_compiling():  # inductor's decomposition is the same everywhere
+            return original(input, normalized_shape, weight, eps)
+        return _rms_norm(input, normalized_shape, weight, eps)
+
+    torch.rms_norm = rms_norm  # F.rms_norm (nn.RMSNorm) calls it by this name
+    try:
         yield
-
-
-class _CudaKernels(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _RMS_NORMS and not torch.compiler.is_compiling():
-            return _rms_norm(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-_RMS_NORMS = (F.rms_norm, torch.rms_norm)
+    finally:
+        torch.rms_norm = original
 
 
 def _rms_norm(input, normalized_shape, weight=None, eps=None):
