@@ -91,7 +91,12 @@ class LRSchedule(LambdaLR):
 
     def load_state_dict(self, state_dict: dict) -> None:
         current = dict(self.schedule)
+        # Each group's peak is the configured one (its `initial_lr`), not the checkpoint's: a
+        # group's lr may have changed, and a pipeline rank's groups are not rank 0's (whose
+        # copy of this state the checkpoint keeps).
+        base_lrs = list(self.base_lrs)
         super().load_state_dict(state_dict)
+        self.base_lrs = base_lrs
         previous, self.schedule = self.schedule, current
         # LambdaLR would keep the checkpoint's learning rate until its next step: set the
         # current schedule's value for the step about to run.

@@ -372,5 +372,7 @@ class MuonOptions:
         )
         for key, ok, fix in checks:
             if not ok:
-                problems.append(f"[optimizer.muon] {key} = {getattr(self, key)} is not valid\n{fix}")
+                problems.append(
+                    f"[optimizer.muon] {key} = {getattr(self, key)} is not valid\n{fix}"
+                )
         return problems

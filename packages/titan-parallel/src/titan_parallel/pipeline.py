@@ -8,6 +8,8 @@ runs a training step with `Pipeline.step(inputs, labels)`.
 
 Gradients: the loss on the last stage is divided by the number of microbatches, so the
 gradients summed over microbatches equal those of the mean loss over the whole local batch.
+`Pipeline.eval` runs the schedule forward only (validation) and returns the sum of the
+microbatches' losses as the loss function gives them, undivided.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class Pipeline:
     """This rank runs the first stage: it feeds the input tokens."""
     has_last: bool
     """This rank runs the last stage: it computes the loss."""
+    loss: _MicrobatchLoss | None = None
+    """The schedule's loss function (divides by the microbatches in training, not in eval)."""
 
     def step(
         self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
@@ -109,11 +113,41 @@ class Pipeline:
         )
         if losses is None:
             return None
-        # Each microbatch loss was already divided by n_microbatches (see _scaled_loss).
+        # Each microbatch loss was already divided by n_microbatches (see _MicrobatchLoss).
         # Under loss parallel (TP) each loss is a replicated DTensor: sum plain tensors.
         return torch.stack(
             [
                 (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+                for loss in losses
+            ]
+        ).sum()
+
+    @torch.no_grad()
+    def eval(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Forward only over all microbatches of one batch, the same size as a training
+        step's local batch (the stages exchange tensors of the training microbatch's shape).
+
+        Returns, on a rank with the last stage, the sum over microbatches of the loss function
+        as it is (a loss function that returns a sum over tokens gives the batch's sum), and
+        None elsewhere (see `broadcast_pipeline_loss`)."""
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        if self.loss is not None:
+            self.loss.divide = False
+        try:
+            self.schedule.eval(
+                *args, target=labels if self.has_last else None, losses=losses, **kwargs
+            )
+        finally:
+            if self.loss is not None:
+                self.loss.divide = True
+        if losses is None:
+            return None
+        return torch.stack(
+            [
+                (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
                 for loss in losses
             ]
         ).sum()
@@ -257,13 +291,16 @@ def _check_microbatches(
         raise ConfigError(problems)
 
 
-def _scaled_loss(
-    loss_fn: Callable[..., torch.Tensor], n_microbatches: int
-) -> Callable[..., torch.Tensor]:
-    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, target) / n_microbatches
+class _MicrobatchLoss:
+    """`loss_fn` divided by the number of microbatches (training: the gradients summed over
+    microbatches are those of the mean loss), or as it is (`divide` False: `Pipeline.eval`)."""
 
-    return loss
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], n_microbatches: int):
+        self.loss_fn, self.n_microbatches, self.divide = loss_fn, n_microbatches, True
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        return loss / self.n_microbatches if self.divide else loss
 
 
 @dataclass(frozen=True)
@@ -444,7 +481,7 @@ def build_pipeline(
         )
         for part, sid in zip(parts, stage_ids)
     ]
-    scaled = _scaled_loss(loss_fn, n_microbatches)
+    scaled = _MicrobatchLoss(loss_fn, n_microbatches)
 
     if csv_path is not None:
         sched: _PipelineSchedule = _PipelineScheduleRuntime(
@@ -465,6 +502,7 @@ def build_pipeline(
         n_microbatches=n_microbatches,
         has_first=0 in stage_ids,
         has_last=num_stages - 1 in stage_ids,
+        loss=scaled,
     )
 
 
