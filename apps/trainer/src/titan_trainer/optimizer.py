@@ -89,8 +89,8 @@ def check_groups_match(model_parts, cfg, dims) -> None:
     (the names of every pipeline stage, gathered; a fake process group, the dry run's, has
     been checked on the whole model before the split)."""
     names = [name for name, _ in model_names(model_parts)]
-    pp = dims.mesh("pp") if dims is not None else None
-    if pp is not None and pp.size() > 1:
+    pp = dims.mesh("pp") if dims is not None and dims.pp_enabled else None
+    if pp is not None:
         group = pp.get_group()
         if dist.get_backend(group) == "fake":
             return

@@ -172,7 +172,7 @@ def _grouped(parts: list[nn.Module], cfg) -> list[tuple[int | None, bool, list[t
             # Muon takes matrices only: a vector in a `muon = true` group gets AdamW.
             kind = (default if chosen is None else chosen) and p.ndim >= 2
         buckets.setdefault((-1 if index is None else index, kind), []).append(p)
-    order = sorted(buckets, key=lambda key: (key[0], not key[1]))
+    order = sorted(buckets)  # the default group first, AdamW's part before Muon's
     return [(None if i < 0 else i, kind, buckets[(i, kind)]) for i, kind in order]
 
 
