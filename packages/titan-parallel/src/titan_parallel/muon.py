@@ -42,6 +42,8 @@ step one process takes, up to the order of floating-point sums in the gradients.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -321,7 +323,8 @@ class Muon(Optimizer):
         sharded = DTensor.from_local(
             u, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
-        full = sharded.redistribute(mesh, whole).to_local()
+        with _quiet_redistribute():
+            full = sharded.redistribute(mesh, whole).to_local()
         ortho = DTensor.from_local(
             self._ns(full), mesh, whole, run_check=False, shape=p.shape, stride=p.stride()
         )
@@ -339,6 +342,19 @@ class Muon(Optimizer):
             batch = list(zip(params[start : start + n], updates[start : start + n]))
             out += _owner_round(batch, group, n, me, self._ns)
         return out
+
+
+@contextlib.contextmanager
+def _quiet_redistribute():
+    """Gathering an FSDP x TP matrix (`_StridedShard`, `Shard`) takes two all-gathers, which
+    DTensor reports as suboptimal at every call; nothing a user can change."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def matrix_split(p: torch.Tensor) -> list[int]:
@@ -380,10 +396,12 @@ def _chunk_sizes(length: int, n: int) -> list[int]:
 def _owner_round(batch, group, n: int, me: int, ns: Callable) -> list[torch.Tensor]:
     """One round of `Muon._owner_ns`: matrix k of `batch` (at most n) belongs to rank k."""
     shapes = []  # per matrix: (split dim, the chunk sizes along it, every rank's shard shape)
-    for p, _ in batch:
+    for p, u in batch:
         dim = p.placements[matrix_split(p)[0]].dim % p.ndim
         sizes = _chunk_sizes(p.shape[dim], n)
-        shard = [(*p.shape[:dim], s, *p.shape[dim + 1 :]) for s in sizes]
+        # The other dimensions as this rank holds them: the ranks of the group hold the same
+        # slice of any leading (expert) dimension another mesh dimension splits.
+        shard = [(*u.shape[:dim], s, *u.shape[dim + 1 :]) for s in sizes]
         shapes.append((dim, sizes, shard))
     # Send: my shard of matrix k to rank k.
     sends = [u.reshape(-1) for _, u in batch] + [batch[0][1].new_empty(0)] * (n - len(batch))
