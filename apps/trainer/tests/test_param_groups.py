@@ -85,6 +85,24 @@ def test_each_optimizer_takes_the_groups_values(name):
         assert not norm["use_muon"]
 
 
+def test_the_readmes_param_groups_example_loads_and_groups_as_it_says(tmp_path):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```toml\n(.*?)```", readme, re.S) if "param_groups" in b]
+    path = tmp_path / "groups.toml"
+    path.write_text(example)
+    config = load_config(JobConfig, ["--optimizer.lr", "3e-3"], toml_path=path)
+    model = _model(config)
+    group = _group_of(build_optimizer([model], config.optimizer, dims=None), model)
+    assert group["norm.weight"]["weight_decay"] == 0.0
+    assert group["layers.0.attention.wq.weight"]["lr"] == 1e-3
+    assert not group["layers.0.attention.wq.weight"]["use_muon"]
+    assert group["layers.1.attention.wq.weight"]["use_muon"]
+    assert group["layers.1.attention.wq.weight"]["lr"] == 3e-3
+
+
 def test_muon_switch_and_muon_lr():
     config = _config(
         *("--optimizer.name", "Muon", "--optimizer.muon.lr", "0.02"),
