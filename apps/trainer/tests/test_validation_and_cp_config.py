@@ -58,6 +58,23 @@ def test_validation_under_context_parallel_must_use_the_training_length():
     assert "context parallel shards it with the batch" in message
 
 
+def test_validation_under_pipeline_parallel_takes_the_training_shapes():
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--validation.enable", "true"]
+    check_config(load_config(JobConfig, [*pp, "--validation.local_batch_size", "16"]), 2)
+    message = problems(
+        [*pp, "--validation.seq_len", "1024", "--validation.local_batch_size", "4"], world_size=2
+    )
+    assert (
+        "[validation] seq_len = 1024 must equal [training] seq_len = 2048 under pipeline parallel"
+        in message
+    ), message
+    assert (
+        "[validation] local_batch_size = 4 must be a multiple of [training] local_batch_size = 8"
+        in message
+    ), message
+    assert "use 8 or a multiple of it" in message
+
+
 class _Positional(nn.Module):
     def __init__(self, names: dict[str, int] | None) -> None:
         super().__init__()

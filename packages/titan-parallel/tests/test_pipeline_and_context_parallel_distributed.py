@@ -180,9 +180,14 @@ def pp_case(ctx: dict, schedule: str, *, fsdp: bool = False, **kwargs) -> dict:
     rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
     loss = pipe.step(tokens[rows], labels[rows])
     step_loss = broadcast_pipeline_loss(loss, dims.mesh("pp"), torch.device("cpu"))
+    # Forward only (the same weights: no optimizer step): the microbatches' losses summed.
+    summed = pipe.eval(tokens[rows], labels[rows])
+    eval_loss = broadcast_pipeline_loss(summed, dims.mesh("pp"), torch.device("cpu"))
+    eval_loss /= pipe.n_microbatches
     if fsdp:  # the reference loss is over the global batch: average the dp ranks' losses
-        dist.all_reduce(step_loss, group=dims.mesh("dp").get_group())
-        step_loss /= dp
+        for value in (step_loss, eval_loss):
+            dist.all_reduce(value, group=dims.mesh("dp").get_group())
+            value /= dp
     local_sq = sum(
         (full(p.grad) ** 2).sum() for part in pipe.model_parts for p in part.parameters()
     )
@@ -196,6 +201,7 @@ def pp_case(ctx: dict, schedule: str, *, fsdp: bool = False, **kwargs) -> dict:
     report = _grad_report(pipe.model_parts, grads)
     report.update(
         loss_err=abs(step_loss.item() - ref_loss),
+        eval_err=abs(eval_loss.item() - ref_loss),
         norm_err=max(abs(norm.item() - ref_norm), abs(inf_norm.item() - ref_inf)),
         stage_ids=pipe.stage_ids,
         has_first=pipe.has_first,
@@ -541,6 +547,7 @@ def test_every_schedule_matches_single_process_loss_and_grads(results, world, sc
     reports = _ok(results[world][f"pp_{schedule}"])
     for r in reports:
         assert r["loss_err"] < LOSS_TOL
+        assert r["eval_err"] < LOSS_TOL  # Pipeline.eval: the forward-only schedule
         assert r["grad_err"] < GRAD_TOL
         assert r["norm_err"] < GRAD_TOL  # pp_total_norm == the whole model's 2- and inf-norms
     # Every parameter is owned by exactly one stage.
@@ -566,6 +573,7 @@ def test_schedule_from_csv_matches_reference_and_infers_stage_placement(results,
 def test_pp2_with_fsdp2_matches_global_batch_reference(results, schedule):
     for r in _ok(results[4][f"pp2_fsdp2_{schedule}"]):
         assert r["loss_err"] < LOSS_TOL
+        assert r["eval_err"] < LOSS_TOL
         assert r["grad_err"] < GRAD_TOL
         assert r["norm_err"] < GRAD_TOL
 
