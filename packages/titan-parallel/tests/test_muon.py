@@ -113,6 +113,8 @@ def test_scales_and_shard_sizes():
     assert lr_scale(torch.Size([64, 16]), "original") == 2.0
     assert lr_scale(torch.Size([16, 64]), "original") == 1.0
     assert lr_scale(torch.Size([8, 16, 64]), "match_rms_adamw") == pytest.approx(1.6)
+    # Experts stack (experts, in, out): 64 outputs of 16 inputs, as nn.Linear's (64, 16).
+    assert lr_scale(torch.Size([8, 16, 64]), "original") == 2.0
     # DTensor's Shard splits like torch.chunk, with empty chunks at the end.
     for length, n in ((5, 4), (8, 2), (3, 4), (7, 3)):
         expected = [len(c) for c in torch.arange(length).chunk(n)]

@@ -13,7 +13,8 @@ has `use_muon`; a 3-D expert weight is a stack of matrices, each orthogonalised 
    about A S' B^T with S' between roughly 0.7 and 1.2: the nearest semi-orthogonal matrix,
    loosely. Run in `ns_dtype` (bfloat16 as in the reference; float32 for exact comparisons).
 3. Decoupled weight decay and the step: W <- (1 - lr wd) W - lr s O, where s is
-   `adjust_lr`'s scale for an A x B matrix: "original", sqrt(max(1, A / B)) (Jordan's), or
+   `adjust_lr`'s scale for a matrix of A outputs and B inputs (nn.Linear's (A, B); a 3-D
+   expert weight is (experts, B, A)): "original", sqrt(max(1, A / B)) (Jordan's), or
    "match_rms_adamw", 0.2 sqrt(max(A, B)) (Liu et al. 2025, "Muon is scalable for LLM
    training", arXiv:2502.16982: the update's RMS becomes ~0.2, AdamW's typical one, so that
    AdamW's learning rate and weight decay carry over).
@@ -94,8 +95,9 @@ def newton_schulz(
 
 
 def lr_scale(shape: torch.Size, adjust_lr: AdjustLR) -> float:
-    """The factor on the learning rate of a matrix (the last two dimensions of `shape`)."""
-    rows, cols = shape[-2], shape[-1]
+    """The factor on the learning rate of a matrix: a 2-D weight is nn.Linear's (out, in), a
+    3-D one a stack of experts (experts, in, out), the layout titan's MoE plans use."""
+    rows, cols = (shape[-1], shape[-2]) if len(shape) == 3 else (shape[-2], shape[-1])
     if adjust_lr == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     return math.sqrt(max(1.0, rows / cols))
