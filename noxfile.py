@@ -3,9 +3,10 @@
     uv run nox -l                          # list sessions
     uv run nox -s tests-titan-core         # one package's tests in the workspace env
     uv run nox -s isolated-titan-parallel  # build the wheel, install it alone, test it there
-    uv run nox -s packaging                # what the built wheels and sdists carry
+    uv run nox -s packaging                # publish to a local index, install from it, check
     uv run nox -t compat                   # lowest/highest torch x oldest/newest Python
     uv run nox -s bench                    # benchmarks (not in the default set)
+    uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
 a venv of their own: torch is large and the lock already pins it. Isolated sessions build
@@ -25,6 +26,9 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
+# Each package by its short name (its folder, its sessions' names, its module with `_`), and
+# where it lives. Its distribution name, on the package index, is its pyproject's `name`:
+# titan-llm-core for titan-core, and so on (docs/architecture.md, "Packaging").
 PACKAGES = {
     "titan-core": "packages/titan-core",
     "titan-parallel": "packages/titan-parallel",
@@ -38,6 +42,7 @@ PACKAGES = {
 # trainer composes everything, so its tests run in the workspace env.
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
+DURATIONS = 25
 
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
@@ -55,8 +60,22 @@ nox.options.sessions = [
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _module(dist: str) -> str:
-    return dist.replace("-", "_")
+def _module(package: str) -> str:
+    return package.replace("-", "_")
+
+
+def _project(package: str) -> dict:
+    return tomllib.loads((ROOT / PACKAGES[package] / "pyproject.toml").read_text())["project"]
+
+
+def _distribution(package: str) -> str:
+    """The distribution name of a package (its short name's `titan-llm-` form)."""
+    return _project(package)["name"]
+
+
+def _wheel(folder: Path, package: str) -> Path:
+    """The one wheel of `package` built into `folder`."""
+    return next(folder.glob(f"{_distribution(package).replace('-', '_')}-*.whl"))
 
 
 def _pytest_args(session: nox.Session, dist: str) -> list[str]:
@@ -65,6 +84,8 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
         str(ROOT / PACKAGES[dist] / "tests"),
         f"--junitxml={JUNIT / session.name}.xml",
         "-q",
+        # The slowest tests, so that CI time stays visible where it goes.
+        f"--durations={DURATIONS}",
         *session.posargs,
     ]
 
@@ -115,12 +136,12 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
             "--wheel",
             "--quiet",
             "--package",
-            name,
+            _distribution(name),
             "--out-dir",
             str(wheels),
             external=True,
         )
-    built = {name: next(wheels.glob(f"{_module(name)}-*.whl")) for name in needed}
+    built = {name: _wheel(wheels, name) for name in needed}
     # Siblings are not on the index yet, so their freshly built wheels stand in for it.
     session.install(f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist), *pins)
     if pins:
@@ -157,38 +178,47 @@ def _requirement_name(requirement: str) -> str:
     return requirement.split("=")[0].split("<")[0].split(">")[0].strip()
 
 
-def _titan_closure(dist: str) -> list[str]:
-    """The titan distributions `dist` needs (itself first), read from the pyprojects."""
-    import tomllib
-
-    order, todo = [], [dist]
+def _titan_closure(package: str) -> list[str]:
+    """The titan packages `package` needs (itself first), read from the pyprojects."""
+    by_dist = {_distribution(p): p for p in PACKAGES}
+    order, todo = [], [package]
     while todo:
         name = todo.pop()
         if name in order:
             continue
         order.append(name)
-        meta = tomllib.loads((ROOT / PACKAGES[name] / "pyproject.toml").read_text())["project"]
-        for req in meta.get("dependencies", []):
+        for req in _project(name).get("dependencies", []):
             dep = req.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
-            if dep in PACKAGES:
-                todo.append(dep)
+            if dep in by_dist:
+                todo.append(by_dist[dep])
     return order
 
 
 @nox.session
 def packaging(session: nox.Session) -> None:
-    """Build every wheel and sdist as an index would get them and check what they carry
-    (tools/check_packaging.py); then install all the wheels in this clean venv and run, from
-    outside the repo, what only an installed wheel shows: titan-trainer's shipped configs and
-    launch scripts, and the packaging checks' own tests."""
+    """Build every wheel and sdist as an index would get them; publish them to a package index
+    on the loopback and `pip install titan-llm-trainer[test]` into this clean venv by name from
+    it (tools/check_publish.py: twine check --strict, twine upload to pypiserver, every titan
+    distribution from that index, never the foreign `titan-core`); check what they carry
+    (tools/check_packaging.py); then run, from outside the repo, what only an installed wheel
+    shows: titan-trainer's shipped configs and launch scripts, and the packaging checks' own
+    tests."""
     dist = Path(session.create_tmp()) / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     session.run(
         "uv", "build", "--all-packages", "--no-sources", "--quiet", "--out-dir", str(dist),
         external=True,
     )  # fmt: skip
-    wheels = sorted(str(w) for w in dist.glob("*.whl"))
-    session.install(*wheels, *(f"{w}[test]" for w in wheels if "titan_trainer-" in w))
+    # Reused venvs keep what an earlier run installed: start from an empty one.
+    session.run("uv", "pip", "uninstall", "--quiet", *(_distribution(p) for p in PACKAGES),
+                "titan-core", external=True, silent=True, success_codes=[0, 1, 2])  # fmt: skip
+    python = str(Path(session.virtualenv.location) / "bin" / "python")
+    # The workspace's interpreter (nox's own: `uv run nox`) holds twine and pypiserver; `uv run`
+    # here would sync the workspace into this session's venv.
+    session.run(
+        sys.executable, str(ROOT / "tools" / "check_publish.py"), str(dist), python,
+        external=True,
+    )  # fmt: skip
     session.run("python", str(ROOT / "tools" / "check_packaging.py"), str(dist))
     JUNIT.mkdir(parents=True, exist_ok=True)
     _pytest_outside_the_repo(
@@ -223,8 +253,7 @@ def _interpreter(version: str) -> str:
 def _torch_pin(end: str) -> str:
     """`torch==<lowest>.*` or the declared range itself (resolved to its newest release),
     from titan-core's pyproject, which every library shares."""
-    meta = tomllib.loads((ROOT / PACKAGES["titan-core"] / "pyproject.toml").read_text())
-    (spec,) = [r for r in meta["project"]["dependencies"] if r.startswith("torch")]
+    (spec,) = [r for r in _project("titan-core")["dependencies"] if r.startswith("torch")]
     if end == "highest":
         return spec
     lowest = spec.split(">=")[1].split(",")[0].strip()
@@ -290,7 +319,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(name="bench-gpu", venv_backend="none")
 def bench_gpu(session: nox.Session) -> None:
-    """Every GPU benchmark (1B throughput, Float8, async TP, checkpoints) into one JSON file
+    """Every GPU benchmark (1B throughput, Float8, async TP, checkpoints) into one JSON-lines file
     (bench/gpu.py); on a machine without a CUDA GPU it says so and fails."""
     session.run(
         "uv",
@@ -301,6 +330,20 @@ def bench_gpu(session: nox.Session) -> None:
         *session.posargs,
         env={"PYTHONUNBUFFERED": "1", **os.environ},
     )
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU suite: every test marked `gpu`, of every package, in the workspace env (one
+    CUDA GPU: the README's main job, each shipped config shrunk to fit it, Float8, MoE,
+    validation, generation, memory). Without a GPU each is reported skipped with its reason.
+    Where torch is preinstalled and nothing can be downloaded: tools/gpu_bundle.py."""
+    for dist in PACKAGES:
+        session.run(
+            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "gpu",
+            "-rs", f"--durations={DURATIONS}", *session.posargs,
+            success_codes=[0, 5],  # 5: none of this package's tests is marked gpu
+        )  # fmt: skip
 
 
 @nox.session(name="dryrun-405b", venv_backend="none")
@@ -339,6 +382,34 @@ def dryrun_moe(session: nox.Session) -> None:
             *session.posargs,
             env={"PYTHONUNBUFFERED": "1", **os.environ},
         )
+
+
+@nox.session(name="dryrun-torchtitan", venv_backend="none")
+def dryrun_torchtitan(session: nox.Session) -> None:
+    """The dry run of each TOML written the way torchtitan v0.2.2 wrote its train configs
+    (apps/trainer/tests/torchtitan_configs), at the world size its `# titan dry run:` line
+    names, from a folder laid out as torchtitan's checkout (its tests/assets/c4_test). The
+    default suite runs their checks (tests/test_torchtitan_configs.py); this simulates the
+    ones that pass them. Exit 3 (does not fit) is reported, not an error."""
+    import shlex
+
+    folder = ROOT / "apps/trainer/tests/torchtitan_configs"
+    work = Path(session.create_tmp())
+    sample = work / "tests/assets/c4_test"
+    sample.mkdir(parents=True, exist_ok=True)
+    (sample / "data.json").write_text('{"text": "A local sample document."}\n' * 100)
+    session.chdir(work)
+    names = session.posargs or [p.stem for p in sorted(folder.glob("*.toml"))]
+    for name in names:
+        path = folder / f"{name}.toml"
+        line = next(x for x in path.read_text().splitlines() if x.startswith("# titan dry run:"))
+        session.run(
+            "uv", "run", "--frozen", "--project", str(ROOT), "titan-train",
+            "--job.config_file", str(path), "--dry-run", "--dry_run.suggest", "false",
+            *shlex.split(line.removeprefix("# titan dry run:")),
+            success_codes=[0, 2, 3],
+            env={"PYTHONUNBUFFERED": "1", **os.environ},
+        )  # fmt: skip
 
 
 MOE_DRY_RUNS = (

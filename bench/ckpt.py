@@ -1,11 +1,12 @@
 """Checkpoint benchmark: sync save time, async blocking time and load time for a model of a few
 hundred MB (a stack of fp32 linears trained with AdamW: the checkpoint holds weights and two
 moments, 3x the model), and what the integrity checks cost: a save with checksums against
-DCP's plain save of the same state, and a verified load (checksums, then read) against DCP's
-plain load, printed as JSON lines.
+DCP's plain save of the same state, and a read with checksums (and a manager's whole verified
+load) against DCP's plain read, printed as JSON lines. Ratios with a target say whether they
+met it (`met`).
 
     uv run --no-sync python bench/ckpt.py [--mb 200] [--saves 3] [--interval 5] [--dir /tmp]
-    uv run --no-sync python bench/ckpt.py --only checksums
+    uv run --no-sync python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7
 
 The training loop is real (forward, backward, step) so that an async save's background copy and
 write overlap with compute as they would in a run. Blocking time of an async save = the save()
@@ -28,7 +29,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from titan_ckpt import Checkpoint, CheckpointManager, checkpoint_problems
+from titan_ckpt.dcp_io import checksums_to_check_while_reading
 from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries
+from titan_ckpt.safe_read import SafeFileSystemReader
 
 
 class Step:
@@ -96,42 +99,62 @@ def train(
     return rows
 
 
-def checksum_cost(folder: str, megabytes: int, repeats: int) -> list[dict]:
-    """Median seconds of DCP's save of the full state with titan-ckpt's checksumming writer and
-    with DCP's plain writer (alternating, into fresh folders); of the NaN/inf check a save runs
-    first; of a manager's load (checksums verified, then read, then the NaN/inf check) and of
-    DCP's plain load of the same files, each into freshly built objects; and of the checksum
-    verification alone."""
+def _time_saves(folder: str, megabytes: int, repeats: int, run: Path, timed) -> None:
+    """The save side of `checksum_cost`; the manager's last save stays in `run`."""
     model, optimizer = build(megabytes)
     model(torch.randn(4, model[0].in_features, device=DEVICE)).square().mean().backward()
     optimizer.step()  # the moments exist: the checkpoint is 3x the model
     states = {"model": model, "optimizer": optimizer, "train_state": Step()}
-    wrapped = dict(CheckpointManager(Checkpoint(), states, folder).states)
-    ours, plain, scan = [], [], []
-    for _ in range(repeats):
-        for writer, times in ((ChecksummingWriter, ours), (dcp.FileSystemWriter, plain)):
-            out = Path(folder) / f"save-{writer.__name__}"
-            shutil.rmtree(out, ignore_errors=True)
-            start = time.perf_counter()
-            dcp.save(wrapped, storage_writer=writer(str(out)), no_dist=True)
-            times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        nonfinite_entries(wrapped["model"].state_dict())
-        nonfinite_entries(wrapped["optimizer"].state_dict())
-        scan.append(time.perf_counter() - start)
-    manager = CheckpointManager(Checkpoint(enable=True, interval=1), states, Path(folder) / "run")
-    manager.save(1)
-    manager.close()
-    step_dir = Path(folder) / "run" / "step-1"
-    verified, plain_loads, verify_only = [], [], []
-    for _ in range(repeats):
-        fresh, opt = build(megabytes)
-        reader = CheckpointManager(
-            Checkpoint(), {"model": fresh, "optimizer": opt, "train_state": Step()}, step_dir.parent
+    wrapped = dict(CheckpointManager(Checkpoint(), states, Path(folder) / "unused").states)
+    wrapped.pop("rng")
+    manager = CheckpointManager(Checkpoint(enable=True, interval=1, keep_latest_k=1), states, run)
+
+    def save_with(writer):
+        out = Path(folder) / f"save-{writer.__name__}"
+        shutil.rmtree(out, ignore_errors=True)
+        return lambda: dcp.save(wrapped, storage_writer=writer(str(out)), no_dist=True)
+
+    for i in range(repeats):
+        variants = [
+            ("checksummed_save_s", save_with(ChecksummingWriter)),
+            ("plain_dcp_save_s", save_with(dcp.FileSystemWriter)),
+            ("manager_save_s", lambda i=i: manager.save(i + 1)),
+        ]
+        for name, fn in variants[i % 3 :] + variants[: i % 3]:
+            timed(name, fn)
+        timed(
+            "nonfinite_check_s",
+            lambda: (
+                nonfinite_entries(wrapped["model"].state_dict()),
+                nonfinite_entries(wrapped["optimizer"].state_dict()),
+            ),
         )
+    manager.close()
+
+
+def checksum_cost(folder: str, megabytes: int, repeats: int) -> list[dict]:
+    """What the integrity checks cost, as medians of `repeats` rounds whose variants alternate
+    in order (a busy machine slows them alike):
+    - save: DCP's save of the full state through titan-ckpt's checksumming writer against DCP's
+      plain FileSystemWriter, into fresh folders; and a manager's whole save (NaN/inf check,
+      checksummed write, commit) against the same plain save;
+    - load: DCP's read with the checksums checked as it reads against DCP's plain read, and a
+      manager's whole load (marker, metadata and sizes checked, checksummed read, NaN/inf check)
+      against the plain read, each into freshly built objects;
+    - the NaN/inf check a save runs, and an offline verification of every byte."""
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn) -> None:
         start = time.perf_counter()
-        reader.load()
-        verified.append(time.perf_counter() - start)
+        fn()
+        times.setdefault(name, []).append(time.perf_counter() - start)
+
+    run = Path(folder) / "run"
+    _time_saves(folder, megabytes, repeats, run, timed)
+    step_dir = run / f"step-{repeats}"
+    sums = checksums_to_check_while_reading(step_dir)
+
+    def fresh_request():
         fresh, opt = build(megabytes)
         request = dict(
             CheckpointManager(
@@ -139,29 +162,64 @@ def checksum_cost(folder: str, megabytes: int, repeats: int) -> list[dict]:
             ).states
         )
         request.pop("rng")
-        start = time.perf_counter()
-        dcp.load(request, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
-        plain_loads.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        problems = checkpoint_problems(step_dir)
-        verify_only.append(time.perf_counter() - start)
-        assert not problems, problems
+        return request
+
+    def read(reader_factory):
+        request = fresh_request()
+        return lambda: dcp.load(request, storage_reader=reader_factory(), no_dist=True)
+
+    def manager_load():
+        fresh, opt = build(megabytes)
+        reader = CheckpointManager(
+            Checkpoint(), {"model": fresh, "optimizer": opt, "train_state": Step()}, run
+        )
+        return lambda: reader.load()
+
+    for i in range(repeats):
+        variants = [
+            ("plain_dcp_load_s", lambda: read(lambda: dcp.FileSystemReader(str(step_dir)))),
+            (
+                "checksummed_read_s",
+                lambda: read(lambda: SafeFileSystemReader(str(step_dir), checksums=sums)),
+            ),
+            ("verified_load_s", manager_load),
+        ]
+        for name, prepare in variants[i % 3 :] + variants[: i % 3]:
+            timed(name, prepare())  # the objects are built outside the timing
+        timed("verify_only_s", lambda: checkpoint_problems(step_dir))
+    assert not checkpoint_problems(step_dir)
     size = sum(p.stat().st_size for p in step_dir.iterdir())
-    med = statistics.median
+    med = {name: statistics.median(values) for name, values in times.items()}
+    best = {name: min(values) for name, values in times.items()}
+
+    def ratio(metric: str, a: str, b: str, target: float | None = None) -> dict:
+        # The median of the rounds' own ratios (a round runs both back to back, so a load that
+        # others put on the machine for a while slows both alike), the ratio of the medians,
+        # and that of the best times (the ones least slowed by others).
+        paired = statistics.median(x / y for x, y in zip(times[a], times[b]))
+        row = {
+            "metric": metric,
+            "value": round(paired, 3),
+            "of_medians": round(med[a] / med[b], 3),
+            "of_best": round(best[a] / best[b], 3),
+        }
+        if target is not None:
+            row.update(target=target, met=paired <= target)
+        return row
+
+    rows = [
+        {"metric": name, "value": round(value, 4), "best": round(best[name], 4)}
+        for name, value in med.items()
+    ]
     return [
-        {"metric": "checksummed_save_s", "value": round(med(ours), 4)},
-        {"metric": "plain_dcp_save_s", "value": round(med(plain), 4)},
-        {"metric": "checksummed_save_over_plain_save", "value": round(med(ours) / med(plain), 3)},
-        {"metric": "nonfinite_check_s", "value": round(med(scan), 4)},
-        {"metric": "nonfinite_check_over_plain_save", "value": round(med(scan) / med(plain), 3)},
-        {"metric": "verified_load_s", "value": round(med(verified), 4)},
-        {"metric": "plain_dcp_load_s", "value": round(med(plain_loads), 4)},
-        {
-            "metric": "verified_load_over_plain_load",
-            "value": round(med(verified) / med(plain_loads), 3),
-        },
-        {"metric": "verify_only_s", "value": round(med(verify_only), 4)},
-        {"metric": "verify_gb_per_s", "value": round(size / med(verify_only) / 1e9, 3)},
+        *rows,
+        ratio("checksummed_save_over_plain_save", "checksummed_save_s", "plain_dcp_save_s", 1.1),
+        ratio("checksummed_read_over_plain_read", "checksummed_read_s", "plain_dcp_load_s", 1.2),
+        ratio("manager_save_over_plain_save", "manager_save_s", "plain_dcp_save_s"),
+        ratio("verified_load_over_plain_load", "verified_load_s", "plain_dcp_load_s", 1.2),
+        ratio("nonfinite_check_over_plain_save", "nonfinite_check_s", "plain_dcp_save_s"),
+        {"metric": "verify_gb_per_s", "value": round(size / med["verify_only_s"] / 1e9, 3)},
+        {"metric": "checkpoint_bytes", "value": size},
     ]
 
 
@@ -196,7 +254,10 @@ def async_rows(mode: str, asyn: list[dict], interval: int, sync_s: float, step_s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--mb", type=int, default=200, help="model size; the checkpoint is 3x with AdamW"
+        "--mb",
+        default="200",
+        help="model size in MB, or several separated by commas (each measured in turn); the"
+        " checkpoint is 3x with AdamW",
     )
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16)
@@ -208,8 +269,14 @@ def main() -> None:
         "--only", choices=["checksums"], default=None, help="run only the checksum comparison"
     )
     args = parser.parse_args()
-    model, _ = build(args.mb)
+    for megabytes in (int(mb) for mb in args.mb.split(",")):
+        measure(megabytes, args)
+
+
+def measure(megabytes: int, args: argparse.Namespace) -> None:
+    model, _ = build(megabytes)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
     common = {
         "bench": "ckpt",
         "model_mb": round(size / 2**20, 1),
@@ -219,7 +286,7 @@ def main() -> None:
         "interval": args.interval,
     }
     with tempfile.TemporaryDirectory(dir=args.dir) as folder:
-        for row in checksum_cost(folder, args.mb, args.saves):
+        for row in checksum_cost(folder, megabytes, args.saves):
             print(json.dumps({**common, **row}), flush=True)
     if args.only == "checksums":
         return
@@ -227,16 +294,16 @@ def main() -> None:
         tempfile.TemporaryDirectory(dir=args.dir) as sync_dir,
         tempfile.TemporaryDirectory(dir=args.dir) as async_dir,
     ):
-        plain = train(sync_dir, args.mb, None, args.saves, args.batch, args.interval)
-        sync = train(sync_dir, args.mb, "disabled", args.saves, args.batch, args.interval)
+        plain = train(sync_dir, megabytes, None, args.saves, args.batch, args.interval)
+        sync = train(sync_dir, megabytes, "disabled", args.saves, args.batch, args.interval)
         # Pinned host buffers need CUDA: the staging copy then runs without blocking the GPU.
         modes = ["async"] + (["async_with_pinned_mem"] if DEVICE.type == "cuda" else [])
         runs = {
-            m: train(async_dir, args.mb, m, args.saves, args.batch, args.interval) for m in modes
+            m: train(async_dir, megabytes, m, args.saves, args.batch, args.interval) for m in modes
         }
         loads = []
         for _ in range(args.saves):
-            fresh, opt = build(args.mb)
+            fresh, opt = build(megabytes)
             manager = CheckpointManager(
                 Checkpoint(enable=True),
                 {"model": fresh, "optimizer": opt, "train_state": Step()},

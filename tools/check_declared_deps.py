@@ -16,6 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 MEMBERS = sorted([*ROOT.glob("packages/*/pyproject.toml"), *ROOT.glob("apps/*/pyproject.toml")])
 
 
+def _module(pyproject: dict) -> str:
+    """The module a package's wheel holds (`titan_core` for the distribution titan-llm-core)."""
+    (path,) = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    return path.rsplit("/", 1)[-1]
+
+
+# distribution name -> module, for every workspace member
+MODULES = {
+    (p := tomllib.loads(path.read_text()))["project"]["name"]: _module(p) for path in MEMBERS
+}
+DISTRIBUTIONS = {module: dist for dist, module in MODULES.items()}
+
+
 def plugin_providers() -> set[str]:
     """Packages that register `titan.*` entry points. A package may depend on one without
     importing it: it is found by name at run time (docs/architecture.md, "Plugins")."""
@@ -23,7 +36,7 @@ def plugin_providers() -> set[str]:
     for pyproject in MEMBERS:
         meta = tomllib.loads(pyproject.read_text())["project"]
         if any(group.startswith("titan.") for group in meta.get("entry-points", {})):
-            found.add(meta["name"].replace("-", "_"))
+            found.add(MODULES[meta["name"]])
     return found
 
 
@@ -47,26 +60,24 @@ def main() -> int:
     problems = []
     for pyproject in MEMBERS:
         meta = tomllib.loads(pyproject.read_text())["project"]
-        own = meta["name"].replace("-", "_")
-        declared = {
-            r.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip().replace("-", "_")
+        own = MODULES[meta["name"]]
+        names = {
+            r.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
             for r in meta.get("dependencies", [])
         }
-        declared = {d for d in declared if d.startswith("titan_")}
+        declared = {MODULES[n] for n in names if n in MODULES}
         src = titan_imports(pyproject.parent / "src") - {own}
         tests = titan_imports(pyproject.parent / "tests") - {own}
         for name in sorted(src - declared):
             problems.append(
-                f"{meta['name']}: imports {name} but does not declare {name.replace('_', '-')}"
+                f"{meta['name']}: imports {name} but does not declare {DISTRIBUTIONS[name]}"
             )
         for name in sorted(tests - declared):
             problems.append(
                 f"{meta['name']}: its tests import {name}, which an isolated install lacks"
             )
         for name in sorted(declared - src - PLUGIN_PROVIDERS):
-            problems.append(
-                f"{meta['name']}: declares {name.replace('_', '-')} but never imports it"
-            )
+            problems.append(f"{meta['name']}: declares {DISTRIBUTIONS[name]} but never imports it")
     for problem in problems:
         print("layers:", problem)
     print(f"layers: checked {len(MEMBERS)} packages, {len(problems)} problems")

@@ -12,6 +12,9 @@ Checked for every package:
 - authors, classifiers (Python versions, `Typing :: Typed`) and project URLs on REPOSITORY;
 - a static SemVer version, which `__version__` reads from the installed metadata (no copy);
 - an upper bound on every requirement (runtime, extras and build);
+- its distribution name is `titan-llm-<name>` for the module `titan_<name>`, and every
+  requirement on a titan distribution names one of those seven (a name another project holds,
+  like `titan-core`, could be satisfied by that project's releases);
 - titan-trainer's wheel: its configs, run_train.sh and scripts/multinode.sbatch.
 Where the packages are installed (the workspace, or a venv with the built wheels), their
 installed version is also compared with the pyproject.
@@ -38,6 +41,11 @@ REQUIRED_CLASSIFIERS = {
     "Typing :: Typed",
 }
 TRAINER_FILES = ("run_train.sh", "scripts/multinode.sbatch")
+PREFIX = "titan-llm-"
+"""Every Titan distribution is named PREFIX + the module's name after `titan_`: names Titan
+holds on the package index (docs/architecture.md, "Packaging")."""
+SHORT_NAMES = ("core", "parallel", "ckpt", "float8", "data", "models", "trainer")
+DISTRIBUTIONS = frozenset(PREFIX + name for name in SHORT_NAMES)
 
 
 def members() -> list[Path]:
@@ -50,6 +58,30 @@ def _name(requirement: str) -> str:
     return re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].strip()
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def module_of(pyproject: dict) -> str:
+    """The import name a package's wheel holds (`[tool.hatch.build.targets.wheel] packages`)."""
+    (path,) = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    return path.rsplit("/", 1)[-1]
+
+
+def wheel_stem(dist: str) -> str:
+    """How `dist` starts the names of its wheel and sdist files (`titan_llm_core`)."""
+    return _normalized(dist).replace("-", "_")
+
+
+def foreign_titan_requirements(requirements: list[str]) -> list[str]:
+    """Requirements on a `titan...` distribution that is not one of Titan's own."""
+    return [
+        r
+        for r in requirements
+        if _normalized(_name(r)).startswith("titan") and _normalized(_name(r)) not in DISTRIBUTIONS
+    ]
+
+
 def _upper_bounded(requirement: str) -> bool:
     spec = requirement.split(";")[0]
     return any(op in spec for op in ("<", "==", "~="))
@@ -60,12 +92,19 @@ def check_package(folder: Path, root_license: str, root: Path = ROOT) -> list[st
     pyproject = tomllib.loads((folder / "pyproject.toml").read_text())
     meta = pyproject["project"]
     dist = meta["name"]
-    module = dist.replace("-", "_")
+    module = module_of(pyproject)
     rel = folder.relative_to(root).as_posix()
     problems = []
 
     def problem(text: str) -> None:
         problems.append(f"{dist}: {text}")
+
+    expected_dist = PREFIX + module.removeprefix("titan_").replace("_", "-")
+    if dist != expected_dist:
+        problem(
+            f"the distribution of {module} is named {expected_dist!r}, one of the names Titan "
+            "holds on the package index (docs/architecture.md, Packaging)"
+        )
 
     if meta.get("license") != LICENSE or meta.get("license-files") != ["LICENSE"]:
         problem(f'needs license = "{LICENSE}" and license-files = ["LICENSE"] in [project]')
@@ -104,6 +143,11 @@ def check_package(folder: Path, root_license: str, root: Path = ROOT) -> list[st
         *(r for extra in meta.get("optional-dependencies", {}).values() for r in extra),
         *pyproject.get("build-system", {}).get("requires", []),
     ]
+    for requirement in foreign_titan_requirements(requirements):
+        problem(
+            f"requirement {requirement!r} names a distribution that is not Titan's (Titan's: "
+            f"{', '.join(sorted(DISTRIBUTIONS))}); another project's releases could satisfy it"
+        )
     for requirement in requirements:
         if not _upper_bounded(requirement):
             problem(
@@ -144,17 +188,17 @@ def check_dist(dist_dir: Path, root_license: str) -> list[str]:
     """Problems with the wheels and sdists built into `dist_dir`, one of each per package."""
     problems = []
     for folder in members():
-        meta = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
-        dist, version = meta["name"], meta["version"]
-        module = dist.replace("-", "_")
-        wheels = list(dist_dir.glob(f"{module}-{version}-*.whl"))
-        sdists = list(dist_dir.glob(f"{module}-{version}.tar.gz"))
+        pyproject = tomllib.loads((folder / "pyproject.toml").read_text())
+        dist, version = pyproject["project"]["name"], pyproject["project"]["version"]
+        module, stem = module_of(pyproject), wheel_stem(dist)
+        wheels = list(dist_dir.glob(f"{stem}-{version}-*.whl"))
+        sdists = list(dist_dir.glob(f"{stem}-{version}.tar.gz"))
         if len(wheels) != 1 or len(sdists) != 1:
             problems.append(f"{dist}: expected one wheel and one sdist of {version} in {dist_dir}")
             continue
         with zipfile.ZipFile(wheels[0]) as wheel:
             names = set(wheel.namelist())
-            info = f"{module}-{version}.dist-info"
+            info = f"{stem}-{version}.dist-info"
             if f"{module}/py.typed" not in names:
                 problems.append(f"{dist}: the wheel lacks {module}/py.typed")
             if f"{info}/licenses/LICENSE" not in names:
@@ -171,10 +215,10 @@ def check_dist(dist_dir: Path, root_license: str) -> list[str]:
             ):
                 if line not in metadata.splitlines():
                     problems.append(f"{dist}: the wheel's METADATA lacks {line!r}")
-            if dist == "titan-trainer":
+            if module == "titan_trainer":
                 problems.extend(_trainer_wheel_problems(wheel, folder))
         with tarfile.open(sdists[0]) as sdist:
-            if f"{module}-{version}/LICENSE" not in sdist.getnames():
+            if f"{stem}-{version}/LICENSE" not in sdist.getnames():
                 problems.append(f"{dist}: the sdist lacks LICENSE")
     return problems
 
@@ -192,6 +236,23 @@ def _trainer_wheel_problems(wheel: zipfile.ZipFile, folder: Path) -> list[str]:
                 problems.append(f"titan-trainer: the wheel's {name} differs from {rel}")
         except KeyError:
             problems.append(f"titan-trainer: the wheel lacks {name} (from {rel})")
+    return problems
+
+
+def check_workspace(root: Path = ROOT) -> list[str]:
+    """The root pyproject (the workspace) names Titan's distributions only, and all seven."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    requirements = pyproject["project"].get("dependencies", [])
+    problems = [
+        f"workspace: requirement {r!r} names a distribution that is not Titan's"
+        for r in foreign_titan_requirements(requirements)
+    ]
+    sources = set(pyproject.get("tool", {}).get("uv", {}).get("sources", {}))
+    if sources != DISTRIBUTIONS:
+        problems.append(
+            f"workspace: [tool.uv.sources] should list exactly {sorted(DISTRIBUTIONS)}, "
+            f"not {sorted(sources)}"
+        )
     return problems
 
 
@@ -220,6 +281,7 @@ def main(argv: list[str]) -> int:
         problems.append("LICENSE: the repository's LICENSE must name The Titan authors")
     for folder in members():
         problems.extend(check_package(folder, root_license))
+    problems.extend(check_workspace())
     if argv:
         problems.extend(check_dist(Path(argv[0]), root_license))
     problems.extend(check_installed_versions())

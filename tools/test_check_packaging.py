@@ -36,6 +36,7 @@ def test_every_package_passes():
     for folder in check_packaging.members():
         assert check_packaging.check_package(folder, LICENSE) == [], folder.name
     assert len(check_packaging.members()) == 7
+    assert check_packaging.check_workspace() == []
 
 
 def test_a_copy_passes_until_something_is_broken(core_copy):
@@ -48,11 +49,14 @@ def test_a_copy_passes_until_something_is_broken(core_copy):
         (lambda f: (f / "LICENSE").unlink(), "has no LICENSE file"),
         (lambda f: (f / "LICENSE").write_text("MIT\n"), "differs from the repository's LICENSE"),
         (lambda f: (f / "src/titan_core/py.typed").unlink(), "py.typed"),
-        (lambda f: _edit(f / "pyproject.toml", '"torch>=2.13,<2.16"', '"torch>=2.13"'), "'torch>=2.13' has no upper bound"),
+        (lambda f: _edit(f / "pyproject.toml", '"torch>=2.11,<2.16"', '"torch>=2.11"'), "'torch>=2.11' has no upper bound"),
         (lambda f: _edit(f / "pyproject.toml", 'authors = [{ name = "The Titan authors" }]\n', ""), "authors"),
         (lambda f: _edit(f / "pyproject.toml", '    "Typing :: Typed",\n', ""), "Typing :: Typed"),
         (lambda f: _edit(f / "pyproject.toml", "titan-llm/titan/issues", "elsewhere/issues"), "Issues"),
-        (lambda f: _edit(f / "src/titan_core/__init__.py", 'importlib.metadata.version("titan-core")', '"0.1.0"'), "writes a version string by hand"),
+        (lambda f: _edit(f / "src/titan_core/__init__.py", 'importlib.metadata.version("titan-llm-core")', '"0.1.0"'), "writes a version string by hand"),
+        (lambda f: _edit(f / "pyproject.toml", 'name = "titan-llm-core"', 'name = "titan-core"'), "is named 'titan-llm-core'"),
+        (lambda f: _edit(f / "pyproject.toml", '"torch>=2.11,<2.16",', '"torch>=2.11,<2.16", "titan-core>=0.1,<0.2",'), "'titan-core>=0.1,<0.2' names a distribution that is not Titan's"),
+        (lambda f: _edit(f / "pyproject.toml", '"torch>=2.11,<2.16",', '"torch>=2.11,<2.16", "Titan_Parallel>=0.1,<0.2",'), "'Titan_Parallel>=0.1,<0.2' names a distribution that is not Titan's"),
     ],
 )  # fmt: skip
 def test_each_problem_is_found(core_copy, breakage, expected):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from check_packaging import REPOSITORY, ROOT, members  # noqa: E402
+from check_packaging import DISTRIBUTIONS, REPOSITORY, ROOT, members  # noqa: E402
 
 # Once cited by the noxfile and tools; spelled in two parts so that this file does not cite it.
 MISSING = "ARCHITECTURE" + ".md"
@@ -86,3 +86,46 @@ def test_root_readme_install_command_works_as_shown(tmp_path):
     )
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip().endswith("tokenizer.model")
+
+
+# `pip install titan-x`, `'titan-x[extra]'`, `titan-x>=0.1`: a distribution named where a user
+# would install it from.
+INSTALLED_NAME = re.compile(
+    r"pip install ['\"]?(titan[\w.-]*)|(?<![\w/.-])(titan-[\w-]+)(?:\[\w+\]|>=|==)"
+)
+
+
+# (file, name) named on purpose: the Packaging section shows the pin that was a hole.
+FOREIGN_ON_PURPOSE = {("docs/architecture.md", "titan-core")}
+
+
+def _install_mentions(text: str) -> list[str]:
+    return [a or b for a, b in INSTALLED_NAME.findall(text)]
+
+
+def test_install_instructions_name_only_titans_own_distributions():
+    """A stale `pip install titan-parallel` would install whatever someone else uploads under
+    that name (docs/architecture.md, "Names on the package index")."""
+    assert _install_mentions("pip install titan-parallel and 'titan-trainer[ft]'") == [
+        "titan-parallel",
+        "titan-trainer",
+    ]
+    assert _install_mentions("pip install 'titan-llm-data[llama]'; titan-llm-core>=0.1") == [
+        "titan-llm-data",
+        "titan-llm-core",
+    ]
+    files = [
+        *ROOT.glob("*.md"),
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("bench/*.md"),
+        *(p for f in members() for p in f.rglob("*") if p.suffix in (".md", ".py", ".toml")),
+    ]
+    wrong = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in files
+        if ".venv" not in path.parts
+        for name in _install_mentions(path.read_text())
+        if name not in DISTRIBUTIONS
+        and (str(path.relative_to(ROOT)), name) not in FOREIGN_ON_PURPOSE
+    ]
+    assert not wrong, "install names that are not Titan's distributions:\n" + "\n".join(wrong)

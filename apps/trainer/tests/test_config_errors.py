@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_core import ConfigError, load_config
+from titan_core import ConfigError, iter_options, load_config
+from titan_core.config import describe_type
 from titan_trainer.checks import check_config
 from titan_trainer.cli import main
 from titan_trainer.config import JobConfig
@@ -188,3 +189,52 @@ def test_block_causal_attention_needs_a_model_that_takes_document_ids():
         " `document_ids`, and runtime_models:third_party_spec's (ThirdParty) does not" in p
         for p in found
     ), found
+
+
+def test_block_causal_attention_is_refused_on_a_device_where_its_check_fails():
+    """The trainer runs the family's check of its block-causal attention on the job's device
+    before training (FlexAttention against the dense mask on CUDA); here the FlexAttention
+    path on the CPU, with a mask that lets documents see each other."""
+    import torch
+
+    from titan_trainer.checks import block_causal_device_problem
+
+    args = ["--model.attn_mask_type", "block_causal"]
+    config = load_config(JobConfig, args)
+    assert block_causal_device_problem(config, torch.device("cpu")) is None  # the real check
+    leaky = load_config(
+        JobConfig, [*args, "--model.name", "runtime_models:leaky_block_causal_spec"]
+    )
+    problem = block_causal_device_problem(leaky, torch.device("cpu"))
+    assert problem.startswith(
+        "[model] attn_mask_type = 'block_causal': runtime_models:leaky_block_causal_spec's"
+        " block-causal attention on cpu: "
+    ), problem
+    assert "does not match the dense mask:\n  torch.float32 forward: greatest difference" in problem
+    assert problem.endswith(
+        "training would let documents attend to each other; use attn_mask_type = 'causal' on"
+        " this machine, or another torch version"
+    )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_learning_rate_is_a_config_error_before_anything_starts(value, capsys):
+    assert main(["--optimizer.lr", value]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f'titan: config error: [optimizer] lr = "{value}" is not valid (from --optimizer.lr)\n'
+        "       expected a finite number; the type is float\n"
+    )
+
+
+def test_every_float_key_refuses_nan_and_inf():
+    floats = [
+        name
+        for name, tp, _, _ in iter_options(JobConfig)
+        if describe_type(tp) in ("float", "float or none")
+    ]
+    assert "optimizer.lr" in floats and "training.max_norm" in floats, floats
+    for name in floats:
+        for value in ("nan", "-inf"):
+            with pytest.raises(ConfigError, match="expected a finite number"):
+                load_config(JobConfig, [f"--{name}", value])

@@ -99,6 +99,7 @@ def test_resuming_on_another_data_parallel_degree_trains_on_the_same_global_batc
     whole = run("whole", 2, "--checkpoint.interval", "3")
     # After 6 steps of 8 samples of 32 tokens, in shares 2:1:1.
     assert "| tokens pydocs 768, docs 384, tokens 384" in whole.stdout
+    assert "block-causal attention matches its reference on cpu" in whole.stdout
     reference = global_batches(tmp_path / "records" / "whole", 1)
     assert sorted(reference) == [1, 2, 3, 4, 5, 6]
     assert len({tuple(b[:, :4].flatten().tolist()) for b in reference.values()}) == 6

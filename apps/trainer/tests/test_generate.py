@@ -5,6 +5,7 @@ folder; then sampling from the same checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import string
@@ -76,6 +77,11 @@ def test_greedy_text_is_the_same_from_dcp_tp_and_hf_and_equals_transformers(read
     # The conversion showed its progress (tqdm, on stderr).
     (convert,) = [d for line, d in results if line.startswith("titan-ckpt convert")]
     assert "read step-10" in convert.stderr and "write safetensors" in convert.stderr
+    # Its config.json names the tokenizer's BOS and EOS, and the model's own context length
+    # (the debug flavor's 2048), not the run's 64-token samples.
+    config = json.loads((cwd / "outputs/gen_hf/config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    assert config["max_position_embeddings"] == 2048
 
 
 def test_sampled_text_has_the_letters_of_the_corpus(readme_runs, capsys):

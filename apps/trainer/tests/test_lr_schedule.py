@@ -93,4 +93,30 @@ def test_extending_a_run_follows_the_new_schedule_from_the_first_resumed_step(ca
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("titan")]
     assert len(messages) == 1 and "total_steps 10 -> 20" in messages[0], messages
     # old 10-step schedule at step 9: 2 warm-up, 3 stable, decay 4/5 done -> factor 0.2
-    assert "from step 9 on" in messages[0] and "factor 0.2 there" in messages[0], messages
+    assert "from step 9 on: lr 0.2 there under the old schedule (factor 0.2)" in messages[0]
+    assert "1 under the new one (factor 1)" in messages[0], messages
+
+
+def test_a_resumed_run_takes_its_lr_from_the_config_whatever_the_optimizer_loaded(caplog):
+    """DCP loads the schedule before the optimizer, whose param_groups then hold the saving
+    run's lr; the checkpoint's own peak is the old [optimizer] lr. Neither decides the lr."""
+    import logging
+
+    optimizer, scheduler = _schedule(10)
+    _run(optimizer, scheduler, 3)
+    saved_scheduler, saved_optimizer = scheduler.state_dict(), optimizer.state_dict()
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer2 = torch.optim.SGD([param], lr=0.5)  # a new peak: [optimizer] lr 1 -> 0.5
+    cfg = LRScheduler(warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.0)
+    scheduler2 = build_lr_scheduler(optimizer2, cfg, 10)
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        scheduler2.load_state_dict(saved_scheduler)
+    optimizer2.load_state_dict(saved_optimizer)  # the order DCP loads them in
+    assert optimizer2.param_groups[0]["lr"] == 1.0  # the saving run's lr for step 4
+    scheduler2.apply()
+    resumed = _run(optimizer2, scheduler2, 7)
+    assert resumed == pytest.approx(
+        [0.5 * lr_factor(s, warmup=2, stable=3, decay=5) for s in range(3, 10)]
+    )
+    (message,) = [r.getMessage() for r in caplog.records if r.name.startswith("titan")]
+    assert "[optimizer] lr 1 -> 0.5" in message and "lr 1 there" in message, message

@@ -140,8 +140,10 @@ def test_a_second_run_in_a_dump_folder_in_use_is_refused_with_the_holder(preempt
 
 
 def test_a_sigterm_save_is_full_and_resumable_whatever_the_last_save_settings(preempted):
-    assert preempted["first_code"] == 0, preempted["first_log"]
+    # 143 (128 + SIGTERM, as a shell reports it): stopped early, with the checkpoint saved.
+    assert preempted["first_code"] == 143, preempted["first_log"]
     step, record = preempted["step"], preempted["record"]
+    assert f"checkpoint step {step} saved to" in preempted["first_log"]
     folder = preempted["dump"] / "checkpoint" / f"step-{step}"
     assert record["model_only"] is False
     assert {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} <= set(
@@ -202,13 +204,26 @@ def _debug(tmp_path, *extra):
     ]
 
 
-def test_sigterm_without_checkpointing_does_not_claim_a_save(tmp_path):
-    run = Background(_debug(tmp_path, "--training.steps", "500"), tmp_path / "run.log")
-    run.wait_for(r"step    1 \|")
-    assert run.stop(signal.SIGTERM) == 0
-    log = run.log.read_text()
+def test_sigterm_and_ctrl_c_stop_with_exit_status_143_and_130(tmp_path):
+    """Two runs side by side (without checkpoints): SIGTERM stops one, which says it saves
+    nothing, with 143; Ctrl-C (SIGINT) the other with 130 (128 + the signal, as a shell
+    reports it); 0 stays for a finished run."""
+    runs = {
+        sig: Background(
+            _debug(tmp_path / sig.name, "--training.steps", "500"), tmp_path / f"{sig.name}.log"
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    for run in runs.values():
+        run.wait_for(r"step    1 \|")
+    codes = {sig: run.stop(sig) for sig, run in runs.items()}
+    assert codes == {signal.SIGTERM: 143, signal.SIGINT: 130}
+    log = runs[signal.SIGTERM].log.read_text()
     assert re.search(r"SIGTERM: stopping at step \d+ without a checkpoint", log), log
     assert "saving" not in log
+    log = runs[signal.SIGINT].log.read_text()
+    assert re.search(r"Ctrl-C: stopped at step \d+", log), log
+    assert "Traceback" not in log
 
 
 def _main(args, capsys) -> tuple[int, str, str]:
@@ -268,6 +283,43 @@ def test_a_bad_row_is_named_by_file_and_line_before_training(tmp_path, capsys):
     assert code == 1, out + err
     assert f"{path}:7: field 'text' holds int, not text" in err
     assert 'set bad_rows = "skip"' in err and "| loss" not in out
+
+
+def test_data_without_a_text_field_names_the_key_that_sets_it_and_the_key_works(tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text(
+        "".join(f'{{"id": {i}, "body": "document {i} of a few words"}}\n' for i in range(300))
+    )
+    code, out, err = _main(_debug(tmp_path, "--training.dataset", str(path)), capsys)
+    assert code == 1, out + err
+    assert error_of(err).endswith(
+        "has no field 'text'; fields found: 'id', 'body'\n"
+        "       set [training] dataset_text_field to the field that holds the text\n"
+    ), err
+    both = [
+        "--training.dataset",
+        str(path),
+        "--training.dataset_text_field",
+        "body",
+        "--training.steps",
+        "1",
+        "--validation.enable",
+        "--validation.dataset",
+        str(path),
+        "--validation.steps",
+        "1",
+    ]
+    # Training reads `body` now; the validation set has its own key, still `text`.
+    code, out, err = _main(_debug(tmp_path, *both), capsys)
+    assert code == 1, out + err
+    assert "| loss" in out
+    assert error_of(err).startswith(f"titan: error: [validation] dataset '{path}':"), err
+    assert "set [validation] dataset_text_field to the field that holds the text" in err
+    code, out, err = _main(
+        _debug(tmp_path, *both, "--validation.dataset_text_field", "body"), capsys
+    )
+    assert code == 0, out + err
+    assert re.search(r"step +1 \| validation loss \d", out), out
 
 
 @contextlib.contextmanager

@@ -125,6 +125,31 @@ def test_a_nan_step_is_skipped_on_the_device_and_reported_at_the_next_read(train
     message = str(info.value)
     assert message.startswith("step 2: loss nan and grad_norm ")
     assert "that update was not applied" in message and "Lower [optimizer] lr" in message
+    assert "the weights hold finite values (checked now)" in message
+
+
+def test_the_stop_message_says_so_when_an_earlier_update_made_the_weights_non_finite(
+    trainer_parts,
+):
+    # What `--optimizer.lr inf` does: the first update is applied (its loss and gradient norm
+    # are finite) and leaves inf in the weights; the next step's loss is NaN.
+    cfg, _, parts, _ = trainer_parts
+    optimizer = build_optimizer(parts, cfg.optimizer)
+    guard = StepGuard(optimizer)
+    weight = next(iter(parts[0].parameters()))
+    kept = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.view(-1)[0] = float("inf")
+        _bad_step(trainer_parts, optimizer, guard, 2)
+        with pytest.raises(NonFiniteStepError) as info:
+            guard.read()
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
+    message = str(info.value)
+    assert "that update was not applied, but the weights already hold NaN or inf" in message
+    assert "finite values" not in message, message  # no claim that was not checked
 
 
 def test_an_optimizer_that_cannot_skip_is_checked_on_the_host_before_its_step(trainer_parts):

@@ -52,11 +52,11 @@ CORRUPTIONS = {
     ),
     "garbage_distcp": (
         lambda f: corrupt.fill_with_garbage(_step4_data(f)),
-        r"__0_0\.distcp does not match its sha256 checksum",
+        r"__0_0\.distcp does not match its xxh3_128 checksum",
     ),
     "value_overwritten_in_place": (
         lambda f: corrupt.overwrite_value(f / "step-4", "model.embed.weight", 1e30),
-        r"__0_0\.distcp does not match its sha256 checksum",
+        r"__0_0\.distcp does not match its xxh3_128 checksum",
     ),
     "missing_metadata": (
         lambda f: (f / "step-4" / ".metadata").unlink(),
@@ -146,7 +146,7 @@ def test_verify_command_reports_each_corrupt_checkpoint_and_fails(folder, capsys
     corrupt.overwrite_value(folder / "step-4", "model.embed.weight", 1e30)
     assert titan_ckpt(["verify", str(folder)]) == 1
     captured = capsys.readouterr()
-    assert "step-4: FAILED: __0_0.distcp does not match its sha256 checksum" in captured.out
+    assert "step-4: FAILED: __0_0.distcp does not match its xxh3_128 checksum" in captured.out
     assert "step-2: OK" in captured.out and "1 of 2 checkpoints failed" in captured.err
     assert titan_ckpt(["verify", str(folder / "step-2")]) == 0  # one checkpoint by its path
 

@@ -275,3 +275,49 @@ def test_a_global_loader_state_is_stored_once_and_restored_on_another_data_paral
     CheckpointManager(Checkpoint(enable=True), states, tmp_path, dp_world_size=4).load()
     assert fresh.data.position == (run.data.position if is_global else 0)
     assert fresh.state.step == 2
+
+
+def test_async_save_in_a_job_whose_process_group_has_no_cpu_backend(tmp_path):
+    """A job that made its group with the GPU's backend alone (`nccl`, which serves no CPU
+    tensors): DCP's async save refuses such a group ("A CPU backend must be enabled"), so the
+    manager saves over a gloo group of its own. On CPU, `cuda:gloo` builds the same shape of
+    group: gloo registered for the accelerator only, none for CPU tensors."""
+    import torch.distributed as dist
+
+    dist.init_process_group("cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run = build_run()
+        manager = _manager(run, tmp_path, interval=2, async_mode="async")
+        train(run, 2, manager)  # step 2: an async save
+        manager.close()  # waits for it and commits it
+    finally:
+        dist.destroy_process_group()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+    resumed = build_run(seed=123)
+    manager = _manager(resumed, tmp_path, interval=2)
+    assert manager.load() == 2
+    manager.close()
+    assert_same(full_model(run.model), full_model(resumed.model), "parameters")
+
+
+def test_async_saves_where_torchs_stager_stages_only_once(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes itself after its first stage (the second fails with
+    `KeyError: <class 'type'>`); on such a torch every save gets a stager of its own
+    (StagerPerSave). That path, taken here on any torch: three async saves, then an exact
+    resume from the last."""
+    from titan_ckpt import staging
+
+    monkeypatch.setattr(staging, "default_stager_is_reusable", lambda: False)
+    a = build_run()
+    losses_a = train(a, 8)
+    b = build_run()
+    manager = _manager(b, tmp_path, interval=2, async_mode="async")
+    assert isinstance(manager._stager._copier, staging.StagerPerSave)
+    train(b, 6, manager)  # async saves at steps 2, 4 and 6
+    manager.close()
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 6]
+    c = build_run(seed=123)
+    manager = _manager(c, tmp_path, interval=2)
+    assert manager.load() == 6
+    assert train(c, 2) == losses_a[6:]  # one process, same ops: bitwise
+    manager.close()

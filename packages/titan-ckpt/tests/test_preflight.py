@@ -3,6 +3,8 @@ answered from its metadata alone."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from ckpt_toy import ToyModel
 
@@ -43,3 +45,38 @@ def test_no_checkpoint_is_a_note_and_a_bad_initial_load_path_a_problem(tmp_path)
     config = Checkpoint(enable=True, folder="checkpoint", initial_load_path=str(tmp_path / "nope"))
     problems, _ = check_loadable(config, str(tmp_path), {"w": (2, 2)})
     assert "is not a complete checkpoint folder" in problems[0]
+
+
+def test_check_space_counts_the_checkpoints_kept_at_once_against_the_free_space(tmp_path):
+    import shutil  # noqa: PLC0415
+
+    from titan_ckpt import check_space  # noqa: PLC0415
+
+    free = shutil.disk_usage(tmp_path).free
+    config = Checkpoint(enable=True, folder="checkpoint", interval=2, keep_latest_k=2)
+    # 5 saves to step 10, at most 3 on disk at once (2 kept + 1 being written): 1.5x the
+    # free space does not fit; 0.3x does.
+    problems, note = check_space(config, str(tmp_path), free // 2, steps=10)
+    assert (
+        len(problems) == 1
+        and "this run saves 5 (keep_latest_k = 2 keeps 2, plus the one" in (problems[0])
+    )
+    assert (
+        "will not fit on the disk of" in problems[0]
+        and "lower [checkpoint] keep_latest_k" in (problems[0])
+    )
+    problems, note = check_space(config, str(tmp_path), free // 10, steps=10)
+    assert problems == [] and "5 to save" in note
+    assert re.search(r"needs up to [\d.,]+ [KMGT]iB more .* [\d.,]+ [KMGT]iB free there", note)
+    # Checkpoints already there take their space now and free it when pruned: resuming from
+    # step 4 with two of them, one more at a time is what the run needs on top.
+    manager = CheckpointManager(config, {"model": ToyModel(dropout=0.0)}, tmp_path / "checkpoint")
+    manager.save(2, force=True)
+    manager.save(4, force=True)
+    manager.close()
+    problems, note = check_space(config, str(tmp_path), free // 2, steps=10)
+    assert problems == [] and "3 to save" in note, (problems, note)
+    # Every checkpoint kept: all of them.
+    config.keep_latest_k = 0
+    problems, _ = check_space(config, str(tmp_path), free // 2, steps=10)
+    assert "this run saves 3 (keep_latest_k = 0 keeps every one)" in problems[0]

@@ -155,9 +155,13 @@ def test_the_commit_marker_records_every_file_and_that_values_were_checked(folde
     record = json.loads((folder / "step-4" / "titan_commit.json").read_text())
     assert record["finite"] is True
     assert set(record["files"]) == {"__0_0.distcp", ".metadata"}
-    assert all(
-        len(entry["sha256"]) == 64 and entry["bytes"] > 0 for entry in record["files"].values()
-    )
+    for name, entry in record["files"].items():
+        size = (folder / "step-4" / name).stat().st_size
+        assert entry["algorithm"] == "xxh3_128" and entry["bytes"] == size > 0
+        # Pieces tile the file from its first byte to its last, each with a 128-bit sum.
+        ends = [start + length for start, length, _ in entry["pieces"]]
+        assert [start for start, _, _ in entry["pieces"]] == [0, *ends[:-1]] and ends[-1] == size
+        assert all(len(digest) == 32 for _, _, digest in entry["pieces"])
     assert not list(folder.glob("step-4/*.sum.json"))  # the ranks' side files are merged away
 
 

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from conftest import Root, config_error
 
-from titan_core import ConfigError, load_config, render_help, to_toml
+from titan_core import ConfigError, allow_nonfinite, load_config, render_help, to_toml
 from titan_core.config import ConfigCompat
 
 TOML = """
@@ -283,3 +284,98 @@ def test_config_compat_aliases_warns_once_for_unimplemented_and_names_renamed_ke
         ConfigError, match=r"\[train\] n_steps was renamed \(from --train.n_steps\)"
     ):
         load_config(_CompatRoot, ["--train.n_steps", "3"])
+
+
+@dataclasses.dataclass
+class _Limits:
+    scale: float = 1.0
+    """A plain float."""
+    weights: list[float] = dataclasses.field(default_factory=list)
+    """Floats in a list."""
+    limit: float = allow_nonfinite(math.inf)
+    """inf means no limit."""
+
+
+@dataclasses.dataclass
+class _LimitsRoot:
+    limits: _Limits = dataclasses.field(default_factory=_Limits)
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN", "Infinity", "1e999"])
+def test_a_float_key_refuses_nan_and_inf_on_the_command_line(text):
+    assert config_error(Root, ["--training.max_norm", text]) == (
+        f'titan: config error: [training] max_norm = "{text}" is not valid (from --training.max_norm)\n'
+        "       expected a finite number; the type is float"
+    )
+    assert "expected a finite number" in config_error(
+        _LimitsRoot, ["--limits.weights", f"1,{text}"]
+    )
+
+
+def test_a_float_key_refuses_nan_and_inf_in_toml(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[limits]\nscale = nan\nweights = [1.0, -inf]\nlimit = inf\n")
+    assert config_error(_LimitsRoot, toml_path=path) == (
+        "titan: config error: [limits] scale = nan is not valid (from c.toml)\n"
+        "       expected a finite number; the type is float\n"
+        "titan: config error: [limits] weights = [1.0, -inf] is not valid (from c.toml)\n"
+        "       expected a finite number; the type is list[float]"
+    )
+
+
+def test_a_key_declared_with_allow_nonfinite_takes_inf_and_round_trips(tmp_path):
+    cfg = load_config(_LimitsRoot, ["--limits.limit", "inf"])
+    assert cfg.limits.limit == math.inf
+    assert load_config(_LimitsRoot, ["--limits.limit", "2.5"]).limits.limit == 2.5
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert "limit = inf" in path.read_text()
+    assert load_config(_LimitsRoot, toml_path=path) == cfg
+
+
+@dataclasses.dataclass
+class _ValuesTrain:
+    converters: list[str] = dataclasses.field(default_factory=list)
+    """Converters."""
+    kind: str = "new"
+    """Kind."""
+
+
+@dataclasses.dataclass
+class _ValuesRoot:
+    __config_compat__ = ConfigCompat(
+        values={"train.converters": {"old": "new.name"}, "train.kind": {"legacy": "new"}}
+    )
+    train: _ValuesTrain = dataclasses.field(default_factory=_ValuesTrain)
+
+
+def test_config_compat_reads_older_value_names_with_a_notice(tmp_path, caplog):
+    import logging
+
+    path = tmp_path / "v.toml"
+    path.write_text('[train]\nconverters = ["old", "other"]\nkind = "legacy"\n')
+    with caplog.at_level(logging.INFO, logger="titan"):
+        cfg = load_config(_ValuesRoot, toml_path=path)
+    assert cfg.train.converters == ["new.name", "other"] and cfg.train.kind == "new"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("titan")] == [
+        '[train] converters = "old" (from v.toml) is an older name; read as "new.name"',
+        '[train] kind = "legacy" (from v.toml) is an older name; read as "new"',
+    ]
+    cfg = load_config(_ValuesRoot, ["--train.converters", "other,old"])
+    assert cfg.train.converters == ["other", "new.name"]
+
+
+def test_a_boolean_is_turned_off_by_its_negated_flag():
+    for flag in ("--training.no-compile", "--training.no_compile", "--no-training.compile"):
+        cfg = load_config(Root, ["--training.compile", flag, "--training.steps", "3"])
+        assert cfg.training.compile is False and cfg.training.steps == 3, flag
+    # Only booleans: a negated name of anything else is an unknown key, as before.
+    assert "unknown key [training] no-steps" in config_error(Root, ["--training.no-steps", "3"])
+
+
+def test_a_config_error_from_a_worker_process_keeps_its_problems():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ConfigError(["one\nfix it", "two"])))
+    assert error.problems == ["one\nfix it", "two"]
+    assert str(error).count("titan: config error:") == 2

@@ -191,7 +191,47 @@ def test_a_read_only_folder_is_reported_with_the_systems_reason(tmp_path):
     assert "Traceback" not in message
 
 
-def test_a_folder_below_a_file_is_reported(tmp_path):
+def test_a_path_that_is_a_file_or_a_link_to_one_is_called_that_with_the_fix(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(RunFolderError, match="is not writable: Not a directory"):
-        check_writable(tmp_path / "file" / "run", purpose="dump folder")
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    hint = "point --job.dump_folder at another folder"
+    expected = {
+        tmp_path / "file": "is a regular file, not a folder",
+        tmp_path / "link": f"is a symbolic link to {tmp_path / 'file'}, a regular file, not a folder",
+        tmp_path / "dangling": f"is a symbolic link to {tmp_path / 'nowhere'}, which does not exist",
+        tmp_path / "file" / "run": f"cannot be created: {tmp_path / 'file'} is a regular file, not a folder",
+    }  # fmt: skip
+    for path, problem in expected.items():
+        with pytest.raises(RunFolderError) as info:
+            check_writable(path, purpose="dump folder", hint=hint)
+        assert str(info.value) == f"the dump folder {path} {problem}\nmove it away, or {hint}"
+    assert (tmp_path / "file").read_text() == "x"  # nothing was touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file", "link"]
+
+
+def test_a_folder_in_a_read_only_place_names_that_place(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    with read_only(parent), pytest.raises(RunFolderError) as info:
+        check_writable(parent / "run", purpose="checkpoint folder", hint="use another")
+    first, fix = str(info.value).splitlines()
+    assert first.startswith(
+        f"the checkpoint folder {parent / 'run'} cannot be created in {parent}: "
+    )
+    assert first.endswith(("Permission denied", "Operation not permitted")), first
+    assert fix == f"make {parent} writable, or use another"
+
+
+def test_a_full_disk_leaves_no_probe_file_behind(tmp_path):
+    # The probe's name is fixed: make it lead to /dev/full, which fails every write with
+    # ENOSPC as a full disk does; the probe (here the link) must be gone afterwards.
+    probe = tmp_path / f".titan-write-test-{socket.gethostname()}-{os.getpid()}"
+    probe.symlink_to("/dev/full")
+    with pytest.raises(RunFolderError) as info:
+        check_writable(tmp_path, purpose="checkpoint folder", hint="use another")
+    assert str(info.value) == (
+        f"the checkpoint folder {tmp_path} is not writable: No space left on device"
+        "\nits disk is full: free space there, or use another"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -216,6 +216,17 @@ def test_a_bad_row_stops_tokenizing_naming_file_and_line_or_is_counted(tmp_path,
     assert json.loads((tmp_path / "s" / MANIFEST).read_text())["skipped_rows"] == 1
 
 
+def test_rows_without_the_text_field_name_the_flag_that_sets_it(tmp_path, capsys):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(f'{{"body": "document {i}"}}\n' for i in range(20)))
+    args = ["tokenize", "--dataset", str(path), "--tokenizer", "byte", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "has no field 'text'; fields found: 'body'" in err
+    assert err.endswith("set --text-field to the field that holds the text\n"), err
+    assert main([*args, "--out", str(tmp_path / "b"), "--text-field", "body"]) == 0
+
+
 def test_a_folder_made_with_other_settings_is_not_overwritten(tokens, corpus, capsys):
     args = ["tokenize", "--dataset", corpus, "--tokenizer", "byte", "--out", str(tokens)]
     assert main([*args, "--shard-tokens", "5000", "--quiet"]) == 2
@@ -237,3 +248,26 @@ def test_a_folder_of_tokens_is_named_as_the_dataset_itself(tokens):
         ValueError, match="dataset_path .* is a folder of tokens; name it as the dataset"
     ):
         load_source("c4", str(tokens))
+
+
+def test_the_progress_bar_ends_with_the_shard_count_of_the_last_line(tmp_path, corpus, capfd):
+    manifest = tokenize_source(
+        dataset=corpus,
+        dataset_path=None,
+        tokenizer="byte",
+        out=str(tmp_path / "t"),
+        shard_tokens=2000,
+        workers=1,
+        progress=True,
+    )
+    shards = len(manifest["shards"])
+    assert shards > 2
+    bar = capfd.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert bar.endswith(f"{manifest['tokens']:,} tokens, {shards} shards]"), bar
+
+
+def test_help_gives_the_whole_first_paragraph_of_the_description(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "`titan-data info` describes such a folder." in text

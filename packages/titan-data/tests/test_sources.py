@@ -144,6 +144,9 @@ def test_missing_text_field_names_the_field_and_the_fields_found(tmp_path, docum
             batch_size=1,
         )
     assert "has no field 'text'; fields found: 'id', 'body'" in str(err.value)
+    assert str(err.value).endswith("\nset text_field to the field that holds the text")
+    flag = err.value.for_option("--text-field")  # a caller names its own setting
+    assert str(flag).endswith("\nset --text-field to the field that holds the text")
 
 
 def test_mixed_formats_in_one_folder_are_refused(tmp_path, jsonl_file):

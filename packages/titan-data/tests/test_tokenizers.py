@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - the test extra installs it
 
 needs_reference = pytest.mark.skipif(
     ReferenceTokenizer is None,
-    reason="llama-models is not installed (pip install titan-data[test]); it holds the "
+    reason="llama-models is not installed (pip install titan-llm-data[test]); it holds the "
     "reference tokenizer and its tokenizer.model",
 )
 
@@ -81,7 +81,7 @@ def test_load_tokenizer_errors_say_what_was_tried_and_what_is_accepted(tmp_path)
 
 def test_llama3_name_without_llama_models_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_models", None)  # as if it were not installed
-    with pytest.raises(FileNotFoundError, match=r"pip install titan-data\[llama\]"):
+    with pytest.raises(FileNotFoundError, match=r"pip install titan-llm-data\[llama\]"):
         load_tokenizer("llama3")
 
 

@@ -4,7 +4,9 @@ On CUDA the mask runs through FlexAttention, whose result must equal the dense m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -105,6 +107,46 @@ def test_the_cpu_mask_is_causal_within_each_document_only():
     assert build_attention_mask(None) is None
 
 
+def test_the_flex_attention_path_matches_the_dense_mask_on_cpu_and_its_check_catches_a_leak(
+    monkeypatch,
+):
+    """The CUDA path's mask (a FlexAttention BlockMask from the document ids) and its call,
+    run on the CPU (forward only: FlexAttention has no CPU backward), against the dense mask;
+    the dense path (what CPU runs use) forward and backward. Then the same check with a mask
+    that ignores the documents must fail, by far more than its tolerance."""
+    import titan_models.attention as attention
+
+    cpu = torch.device("cpu")
+    assert attention.check_block_causal(cpu) == []  # dense, forward and backward
+    assert attention.check_block_causal(cpu, flex=True) == []  # FlexAttention, forward
+    monkeypatch.setattr(attention, "same_document_and_causal", lambda ids: _causal_only)
+    problems = attention.check_block_causal(cpu, flex=True)
+    assert [p.split(":")[0] for p in problems] == [
+        "torch.float32 forward",
+        "torch.bfloat16 forward",
+    ]
+    # Each difference is a good fraction of the result's scale, far above the tolerance.
+    for problem in problems:
+        error, scale = re.search(r"difference (\S+) .*largest value (\S+);", problem).groups()
+        assert float(error) > 0.3 * float(scale), problem
+
+
+def _causal_only(b, h, q, kv):
+    return q >= kv
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: FlexAttention's kernels (and its backward) are compiled by Triton for a GPU",
+)
+def test_flex_attention_on_cuda_matches_the_dense_mask_in_float32_and_bfloat16():
+    from titan_models.attention import check_block_causal
+
+    assert check_block_causal(torch.device("cuda")) == []
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs CUDA: FlexAttention's kernels (and its backward) are compiled by Triton for a GPU",
@@ -112,9 +154,12 @@ def test_the_cpu_mask_is_causal_within_each_document_only():
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
 def test_flex_attention_on_cuda_matches_the_dense_mask_on_cpu_forward_and_backward(name):
     _, _, packed = packed_documents([40, 100, 60, 56], seed=1)  # 261 tokens: 3 blocks of 128
+    # One model, copied to the GPU: the weights must be the same on both sides, and a model
+    # initialised on CUDA draws other values (CUDA's generators are not the CPU's).
+    cpu_model = build(name, packed.shape[1])
+    models = {"cpu": cpu_model, "cuda": copy.deepcopy(cpu_model).to("cuda")}
     runs = {}
-    for device in ("cpu", "cuda"):  # same seed, same weights; dense mask vs FlexAttention
-        model = build(name, packed.shape[1], device=device)
+    for device, model in models.items():  # dense mask on the CPU, FlexAttention on CUDA
         tokens = packed.to(device)
         logits = model(tokens, document_ids=document_ids(tokens, BOS))
         logits.square().mean().backward()

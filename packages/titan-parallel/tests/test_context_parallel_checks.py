@@ -51,11 +51,11 @@ def test_seq_len_error_names_the_degrees_and_suggests_lengths():
 def test_torch_outside_the_checked_range_is_refused_with_the_range(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.16.0")
     with pytest.raises(
-        RuntimeError, match=r"checked with torch 2\.13 to 2\.15, not torch 2\.16\.0"
+        RuntimeError, match=r"checked with torch 2\.11 to 2\.15, not torch 2\.16\.0"
     ):
         cp.enable_cpu_ring_attention()
-    monkeypatch.setattr(torch, "__version__", "2.12.1+cpu")
-    with pytest.raises(RuntimeError, match=r"install torch>=2\.13,<2\.16"):
+    monkeypatch.setattr(torch, "__version__", "2.10.1+cpu")
+    with pytest.raises(RuntimeError, match=r"install torch>=2\.11,<2\.16"):
         cp.enable_cpu_ring_attention()
 
 
@@ -129,9 +129,9 @@ def test_a_torch_without_one_of_the_private_names_is_named_with_the_supported_ve
     assert missing == [f"{cp._RING}._templated_ring_attention_backward"]
     monkeypatch.setattr(cp, "_MISSING", missing)
     (problem,) = cp.check_cp_support()
-    assert "checked with torch 2.13 to 2.15" in problem
+    assert "checked with torch 2.11 to 2.15" in problem
     assert f"lacks internals it uses: {cp._RING}._templated_ring_attention_backward" in problem
-    assert "install torch>=2.13,<2.16, or set [parallelism] context_parallel_degree = 1" in problem
+    assert "install torch>=2.11,<2.16, or set [parallelism] context_parallel_degree = 1" in problem
     # The config check reports it before any process group exists, only when CP is on.
     assert problem in Parallelism(context_parallel_degree=2).validate()
     assert Parallelism().validate() == []

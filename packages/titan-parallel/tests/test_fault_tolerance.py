@@ -223,7 +223,7 @@ def test_import_without_torchft_names_the_extra() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert "pip install 'titan-parallel[ft]'" in out, out
+    assert "pip install 'titan-llm-parallel[ft]'" in out, out
 
 
 def test_groups_average_gradients_like_one_process(runs) -> None:

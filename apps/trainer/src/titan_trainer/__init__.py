@@ -2,4 +2,4 @@
 
 import importlib.metadata
 
-__version__ = importlib.metadata.version("titan-trainer")
+__version__ = importlib.metadata.version("titan-llm-trainer")

@@ -8,6 +8,7 @@ import difflib
 import inspect
 import json
 import os
+import time
 
 import torch
 
@@ -82,6 +83,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
     problems += _expert_problems(config, dims)
+    problems += _tensor_parallel_problems(config, dims)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
@@ -210,7 +212,7 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
 
 
 def preflight_problems(
-    config: JobConfig, world_size: int, *, dry_run: bool = False
+    config: JobConfig, world_size: int, *, dry_run: bool = False, open_datasets: bool = False
 ) -> tuple[list[str], list[str], int]:
     """Every check that needs no process group and no memory: the config for this world size,
     the parallelize and pipeline configuration, the tokenizer and the datasets.
@@ -218,7 +220,8 @@ def preflight_problems(
     Returns (problems, notes, vocabulary size). A real run stops on any problem before it
     creates process groups. A dry run checks for the job's GPUs wherever it runs, and takes
     a missing tokenizer as a note (the cluster may hold the file), using the flavor's
-    vocabulary size instead.
+    vocabulary size instead. With `open_datasets` (once per job, not in a dry run) each
+    dataset's first document is read too: a hub dataset out of reach stops the job here.
     """
     import titan_parallel
 
@@ -242,33 +245,42 @@ def preflight_problems(
     spec = resolve(plugins.MODELS, config.model.name)
     data = resolve(plugins.DATA, config.training.data_plugin)
     vocab_size = getattr(spec.flavors[config.model.flavor], "vocab_size", 0)
-    tokenizer_path = config.model.hf_assets_path or config.model.tokenizer_path
+    tokenizer_path, note = config.model.tokenizer_source()
+    if note:
+        notes.append(note)
     try:
         vocab_size = data.build_tokenizer(tokenizer_path).vocab_size
     except Exception as e:  # any failure to load is the user's to see, with its reason
-        message = f"[model] tokenizer_path = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
+        key = (
+            "tokenizer_path" if tokenizer_path == config.model.tokenizer_path else "hf_assets_path"
+        )
+        message = f"[model] {key} = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
         if dry_run:
             notes.append(f"{message}; memory uses the flavor's vocabulary ({vocab_size:,})")
         else:
             problems.append(
-                message + "\npoint tokenizer_path at a tokenizer.json or tokenizer.model (or a"
+                message + f"\npoint {key} at a tokenizer.json or tokenizer.model (or a"
                 " folder holding one), or use byte"
             )
     else:
         problems += _hf_vocab_problems(config, tokenizer_path, vocab_size, notes)
-    problems += _dataset_problems(
-        data, "training", config.training.dataset, config.training.dataset_path, notes
-    )
+    datasets = [("training", config.training.dataset, config.training.dataset_path)]
     if config.validation.enable:
-        problems += _dataset_problems(
-            data, "validation", config.validation.dataset, config.validation.dataset_path, notes
-        )
+        datasets.append(("validation", config.validation.dataset, config.validation.dataset_path))
+    for section, dataset, path in datasets:
+        found = _dataset_problems(data, section, dataset, path, notes)
+        if not found and open_datasets:
+            found = _dataset_open_problems(data, section, dataset, path)
+        problems += found
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
     problems += _param_group_problems(config, spec, vocab_size)
     problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
     if not dry_run:
         problems += fault_tolerance_problems(config)
+    space = _checkpoint_space_problems(config, spec, vocab_size, notes)
+    if not dry_run:  # a dry run plans for the cluster's disks, not this machine's
+        problems += space
     return problems, notes, vocab_size
 
 
@@ -313,6 +325,46 @@ def _dataset_problems(
     except (ValueError, FileNotFoundError, OSError) as e:
         return [f"[{section}] dataset = {dataset!r}: {_first_line(e)}"]
     return []
+
+
+def _dataset_open_problems(data, section: str, dataset: str, path: str | None) -> list[str]:
+    """The data plugin reads the dataset's first document (see `DataSpec.check_dataset`)."""
+    check = getattr(data, "check_dataset", None)
+    if check is None:
+        return []
+    try:
+        check(dataset, path)
+    except Exception as e:  # noqa: BLE001 - whatever a plugin raises, its message is the answer
+        text = str(e).strip() or type(e).__name__
+        named = text.startswith(f"dataset {dataset} ")  # titan-data's messages name it
+        return [f"[{section}] {text}" if named else f"[{section}] dataset = {dataset!r}: {text}"]
+    return []
+
+
+def _tensor_parallel_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """The model's tensor-parallel plan at this degree (heads, hidden sizes, experts' overlap),
+    read from the model built on the meta device: what `parallelize` would refuse later. The
+    vocabulary is padded to a multiple of 64 for any degree, so the flavor's own serves."""
+    import titan_parallel
+
+    if not dims.tp_enabled:
+        return []
+    try:
+        spec = resolve(plugins.MODELS, config.model.name)
+        args = spec.flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
+    with torch.device("meta"):
+        model = spec.build(args)
+    if not hasattr(model, "tp_plan"):
+        return []  # parallelize names what the model lacks
+    from titan_parallel.expert_parallel import tp_plan_overlaps
+
+    plan = model.tp_plan()
+    problems = titan_parallel.check_tp_plan(model, plan, dims.tp)
+    if titan_parallel.moe_layers(model):
+        problems += tp_plan_overlaps(model, plan)
+    return [f"{config.model.name} {config.model.flavor}: {problem}" for problem in problems]
 
 
 def _pipeline_problems(
@@ -379,6 +431,36 @@ def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
     ]
 
 
+def block_causal_device_problem(config: JobConfig, device: torch.device) -> str | None:
+    """With block-causal attention: the model family's own check of its attention on this
+    device (`ModelSpec.block_causal_check`: FlexAttention against the dense mask on CUDA), run
+    before training; a message when it fails on any rank, so that no run trains with a mask
+    that lets documents see each other. A family without a check is not checked."""
+    if config.model.attn_mask_type != "block_causal":
+        return None
+    from titan_core import any_rank, device_name, get_logger
+
+    spec = resolve(plugins.MODELS, config.model.name)
+    if spec.block_causal_check is None:
+        return None
+    start = time.perf_counter()
+    problems = spec.block_causal_check(device)
+    if not any_rank(bool(problems)):
+        get_logger("checks").info(
+            "block-causal attention matches its reference on %s (%.1f s)",
+            device,
+            time.perf_counter() - start,
+        )
+        return None
+    said = "\n  ".join(problems) if problems else "(it failed on another rank; see its log)"
+    return (
+        f"[model] attn_mask_type = 'block_causal': {config.model.name}'s block-causal attention"
+        f" on {device_name(device)} (torch {torch.__version__}) does not match the dense"
+        f" mask:\n  {said}\ntraining would let documents attend to each other; use"
+        " attn_mask_type = 'causal' on this machine, or another torch version"
+    )
+
+
 def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):
     """A model may not take context parallel at this sequence length (Llama 4's chunked
     attention needs the sequence to fit in one chunk): its `cp_buffers()` says so."""
@@ -391,6 +473,28 @@ def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, voca
     except ValueError as e:
         return [f"[parallelism] context_parallel_degree = {dims.cp}: {e}"]
     return []
+
+
+def _checkpoint_space_problems(config: JobConfig, spec, vocab_size: int, notes) -> list[str]:
+    """Whether the run's checkpoints fit on the disk of their folder: the checkpointer's
+    `check_space`, given the bytes of the state it saves, counted from the model's shapes on
+    the meta device (parameters as built, the optimizer's copies in float32 units)."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return []
+    check = getattr(resolve(plugins.CHECKPOINTERS, ckpt.checkpointer), "check_space", None)
+    if check is None:
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    params = list(model.parameters())
+    state_bytes = sum(p.numel() * p.element_size() for p in params) + int(
+        sum(p.numel() for p in params) * 4 * optimizer_state_copies(config.optimizer)
+    )
+    problems, note = check(ckpt, config.job.dump_folder, state_bytes, config.training.steps)
+    if note:
+        notes.append(note)
+    return problems
 
 
 def optimizer_state_copies(optimizer) -> float:
@@ -407,43 +511,3 @@ def optimizer_state_copies(optimizer) -> float:
             copies = (3 if r.pnm else 2) * moment
         return copies + (1 if r.lookahead else 0)
     return 2 * moment
-
-
-def state_memory_problem(parts, device: torch.device, optimizer_states: float = 2) -> str | None:
-    """Whether this rank's persistent state alone (parameter shards, their gradients and
-    `optimizer_states` parameter-sized optimizer copies, counted from the meta-device model)
-    exceeds the memory the device has free. A cheap check before anything is allocated;
-    `--dry-run` gives the full picture."""
-    from torch.distributed.tensor import DTensor
-
-    from titan_core import MemoryMonitor
-
-    nbytes = 0
-    for part in parts:
-        for p in part.parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            nbytes += int(local.numel() * local.element_size() * (2 + optimizer_states))
-    stats = MemoryMonitor(device).stats()
-    free = _free_bytes(device, stats)
-    if nbytes <= free:
-        return None
-    gib = 1024**3
-    return (
-        f"this rank needs {nbytes / gib:.1f} GiB for its parameters, gradients and optimizer state"
-        f" alone, and {device.type} has {free / gib:.1f} GiB free\n"
-        "shard more (FSDP over more ranks, TP, PP), or plan a layout with --dry-run first"
-    )
-
-
-def _free_bytes(device: torch.device, stats) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(stats.total_gib * 1024**3)

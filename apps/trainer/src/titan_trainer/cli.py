@@ -6,9 +6,23 @@ running it: see `dry_run.py`.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from titan_trainer.shipped import describe_shipped, find_config_file
+
+# Exit statuses (the trainer README's "Exit status"): a shell's 128 + signal number for a run
+# that a signal stopped early, so that `titan-train ... && next-stage` stops there too.
+FINISHED = 0
+ERROR = 1
+"""A problem with the run's data, folders, numbers or peers; one `titan: error:` message."""
+CONFIG_ERROR = 2
+STOPPED_BY_SIGINT = 130
+"""Ctrl-C: stopped at once; the newest complete checkpoint is the one to resume from."""
+STOPPED_BY_SIGTERM = 143
+"""SIGTERM (a scheduler's preemption or time-limit notice): stopped after saving a full
+checkpoint of the current step (when checkpoints are on)."""
 
 MORE_HELP = """
 Also:
@@ -18,7 +32,15 @@ Also:
   titan-train --list-plugins         installed models, data packages, checkpointers, converters, optimizers
   titan-train ... --dry-run          simulate the job instead of running it: memory per rank on
                                      fake tensors, fit verdict, config/tokenizer/dataset/checkpoint
-                                     checks (same as --comm.mode fake_backend; see [dry_run])"""
+                                     checks (same as --comm.mode fake_backend; see [dry_run])
+  titan-train ... --check            the checks a run makes before it starts, for WORLD_SIZE
+                                     processes (config, tokenizer, each dataset's first document
+                                     read), then exit: 0 fine, 2 a problem. The launch scripts
+                                     run it once before torchrun starts the ranks"""
+
+DATA_CHECKED = "TITAN_DATA_CHECKED"
+"""Set to 1 by the launch scripts once `--check` has read the datasets, so that the ranks
+do not read them again."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "--dry-run" in args:
         args = [a for a in args if a != "--dry-run"] + ["--comm.mode", "fake_backend"]
+    check_only = "--check" in args
+    args = [a for a in args if a != "--check"]
     if "--list-plugins" in args:
         for group in plugins.GROUPS:
             found = available(group)
@@ -77,32 +101,55 @@ def main(argv: list[str] | None = None) -> int:
     from titan_trainer.logs import choose_console_ranks
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
-    problems, notes, _ = preflight_problems(config, world_size_from_env())
+    problems, notes, _ = preflight_problems(
+        config, world_size_from_env(), open_datasets=check_only or _reads_the_data_first()
+    )
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         return 2
-    from titan_core import RunFolderError, get_logger
+    from titan_core import CheckpointError, RunFolderError, get_logger
     from titan_trainer.comm import CollectiveError
     from titan_trainer.guards import NonFiniteStepError, StartupError
 
+    said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
     for note in notes:
-        get_logger("checks").info(note)
+        get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
+    if check_only:
+        return 0
     from titan_trainer.train import train
 
     try:
         result = train(config)
+    except KeyboardInterrupt:  # Ctrl-C before the first step (the steps catch their own)
+        print("titan: stopped by Ctrl-C before training started", file=sys.stderr)
+        return STOPPED_BY_SIGINT
     except ConfigError as e:  # found once the layout is known, before any memory is used
         print(e, file=sys.stderr)
-        return 2
-    except (StartupError, RunFolderError, NonFiniteStepError, CollectiveError) as e:
-        # Problems with the run's data, folders, numbers or peers: the message says what to do.
+        return CONFIG_ERROR
+    except (
+        StartupError,
+        RunFolderError,
+        NonFiniteStepError,
+        CollectiveError,
+        CheckpointError,
+    ) as e:
+        # Problems with the run's data, folders, numbers, peers or checkpoints (none usable, a
+        # full disk): the message says what to do.
         first, *rest = str(e).split("\n")
         print(
             "\n".join(["titan: error: " + first, *("       " + line for line in rest)]),
             file=sys.stderr,
         )
-        return 1
-    return 130 if result.stopped_early and not result.steps_run else 0
+        return ERROR
+    return {"SIGTERM": STOPPED_BY_SIGTERM, "SIGINT": STOPPED_BY_SIGINT}.get(
+        result.stopped_by, FINISHED
+    )
+
+
+def _reads_the_data_first() -> bool:
+    """Whether this process reads each dataset's first document before starting: once per
+    job (rank 0), unless a launch script's `--check` already did."""
+    return os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"
 
 
 if __name__ == "__main__":

@@ -37,9 +37,10 @@ class Model:
     """`byte` (no asset needed), `llama3` (from the llama-models package), a path to a Hugging
     Face tokenizer.json (special tokens from the tokenizer_config.json beside it) or a tiktoken
     tokenizer.model, or a folder holding one (a model's Hugging Face download). Its vocabulary
-    sets the model's."""
+    sets the model's. Set to anything but `byte`, it wins over hf_assets_path (as in torchtitan)."""
     hf_assets_path: str | None = None
-    """Folder of Hugging Face assets; its tokenizer is used when set (torchtitan's newer key)."""
+    """Folder of Hugging Face assets (torchtitan's newer key); the tokenizer is read from it
+    unless tokenizer_path names another one."""
     converters: list[str] = field(default_factory=list)
     """Model converters applied before parallelism, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
@@ -50,6 +51,19 @@ class Model:
     without a BOS at the EOS ending the previous one), so that packed documents do not see each
     other. FlexAttention on CUDA, a dense mask elsewhere; the
     model's forward must take `document_ids` (titan-models' do). Not with context parallel."""
+
+    def tokenizer_source(self) -> tuple[str, str | None]:
+        """(what the tokenizer is loaded from, a note when two keys name one). tokenizer_path
+        when it is set to anything but `byte`, else hf_assets_path, else `byte`: torchtitan's
+        rule (its tokenizer_path, when set, replaces hf_assets_path)."""
+        if self.hf_assets_path is None:
+            return self.tokenizer_path, None
+        if self.tokenizer_path == "byte":
+            return self.hf_assets_path, None
+        return self.tokenizer_path, (
+            f"[model] tokenizer_path = {self.tokenizer_path!r} and hf_assets_path ="
+            f" {self.hf_assets_path!r} are both set: the tokenizer comes from tokenizer_path"
+        )
 
 
 @dataclass
@@ -164,6 +178,9 @@ class Training:
     dataset_path: str | None = None
     """Local copy of the dataset (for `c4` and other hub datasets; a mixture gives each entry
     its own as DATASET=PATH)."""
+    dataset_text_field: str = "text"
+    """The field that holds the text in the rows of jsonl, json and parquet files and of hub
+    datasets named `org/name` (every dataset of a mixture); `c4` and `pydocs` know their own."""
     data_plugin: str = "titan"
     """Package that builds tokenizers and loaders: an entry point in `titan.data` or `module:attr`."""
     bad_rows: Literal["error", "skip"] = "error"
@@ -224,6 +241,13 @@ class Training:
         return problems
 
 
+WANDB_MISSING = (
+    "[metrics] enable_wandb = true, but wandb is not installed\n"
+    "pip install 'titan-llm-trainer[wandb]' (or in the workspace: uv sync --all-packages --inexact"
+    " --extra wandb), or turn it off"
+)
+
+
 @dataclass
 class Metrics:
     log_freq: int = 10
@@ -236,9 +260,9 @@ class Metrics:
     """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
     save_plots_folder: str = "plots"
     """At the end of the run, loss, throughput and memory curves as PNG go here (relative to
-    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-trainer[plots])."""
+    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-llm-trainer[plots])."""
     enable_wandb: bool = False
-    """Log the same scalars to Weights & Biases (pip install 'titan-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
+    """Log the same scalars to Weights & Biases (pip install 'titan-llm-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
 
     def validate(self) -> list[str]:
         problems = []
@@ -252,10 +276,7 @@ class Metrics:
             import importlib.util
 
             if importlib.util.find_spec("wandb") is None:
-                problems.append(
-                    "[metrics] enable_wandb = true, but wandb is not installed\n"
-                    "pip install 'titan-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
-                )
+                problems.append(WANDB_MISSING)
         return problems
 
 
@@ -303,6 +324,9 @@ class Validation:
     held-out data when training on anything else."""
     dataset_path: str | None = None
     """Local copy of the validation dataset."""
+    dataset_text_field: str = "text"
+    """The field that holds the text in the validation dataset's rows (as
+    training.dataset_text_field)."""
     local_batch_size: int = 8
     """Samples per data-parallel rank per validation step."""
     seq_len: int = -1
@@ -364,6 +388,7 @@ class JobConfig:
         aliases=torchtitan_keys.ALIASES,
         unimplemented=torchtitan_keys.UNIMPLEMENTED,
         renamed=torchtitan_keys.RENAMED,
+        values=torchtitan_keys.VALUES,
     )
 
     job: Job = field(default_factory=Job)

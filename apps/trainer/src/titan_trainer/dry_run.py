@@ -341,7 +341,11 @@ def dry_run(config: JobConfig, out=print) -> int:
         return EXIT_CONFIG
 
     out(_header(config, world_size, capacity_text))
-    sim = simulate(config, world_size, vocab_size)
+    try:
+        sim = simulate(config, world_size, vocab_size)
+    except ConfigError as e:  # found only once the model meets its layout: said as the others
+        out(e.render())
+        return EXIT_CONFIG
     problems += _checkpoint_problems(config, sim, notes)
     out(_table(sim))
     headroom = config.dry_run.headroom_gib
@@ -354,7 +358,7 @@ def dry_run(config: JobConfig, out=print) -> int:
         )
     else:
         out(
-            f"verdict: does not fit by {worst + headroom - capacity:.1f} GiB"
+            f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
             f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
         )
     for note in notes:
@@ -371,6 +375,14 @@ def dry_run(config: JobConfig, out=print) -> int:
             suggest_changes(config, sim, capacity, headroom, out)
         return EXIT_DOES_NOT_FIT
     return EXIT_FITS
+
+
+def gib_text(value: float) -> str:
+    """A size in GiB with the digits it needs: never "0.0" for an amount that is not zero."""
+    digits = 1
+    while round(value, digits) == 0 and value != 0 and digits < 4:
+        digits += 1
+    return f"{value:.{digits}f}"
 
 
 def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:

@@ -99,7 +99,7 @@ def fault_tolerance_problems(config) -> list[str]:
     if importlib.util.find_spec("torchft") is None:  # not imported here: see _torchft
         problems.append(
             "[fault_tolerance] enable = true needs torchft, which is not installed\n"
-            "install it with pip install 'titan-trainer[ft]', or turn fault tolerance off"
+            "install it with pip install 'titan-llm-trainer[ft]', or turn fault tolerance off"
         )
     if not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
         problems.append(

@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_core import FolderLock, RunFolderError, any_rank, check_writable, get_logger
 
@@ -38,10 +39,16 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
     if rank == 0:
         dump = config.job.dump_folder
         try:
-            check_writable(dump, purpose="dump folder")
+            check_writable(
+                dump, purpose="dump folder", hint="point --job.dump_folder at another folder"
+            )
             ckpt = config.checkpoint
             if ckpt.enable or ckpt.create_seed_checkpoint:
-                check_writable(os.path.join(dump, ckpt.folder), purpose="checkpoint folder")
+                check_writable(
+                    os.path.join(dump, ckpt.folder),
+                    purpose="checkpoint folder",
+                    hint="point --checkpoint.folder at another folder (relative to the dump folder)",
+                )
             lock = FolderLock(
                 dump,
                 purpose="dump folder",
@@ -61,13 +68,17 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
     return lock
 
 
-def build_checked_loader(data, **kwargs):
+def build_checked_loader(data, section: str = "training", **kwargs):
     """The data plugin's loader; its refusals (no tokens, bad rows, unreadable data) become a
-    StartupError that names the dataset keys."""
+    StartupError that names the dataset keys of `section` ([training] or [validation])."""
     try:
         return data.build_dataloader(**kwargs)
     except (ValueError, FileNotFoundError) as e:
-        raise StartupError(f"[training] dataset {kwargs.get('dataset')!r}: {e}") from e
+        # A plugin's error that can name the setting choosing the text field (titan-data's
+        # MissingTextField) names ours.
+        renamed = getattr(e, "for_option", None)
+        shown = renamed(f"[{section}] dataset_text_field") if callable(renamed) else e
+        raise StartupError(f"[{section}] dataset {kwargs.get('dataset')!r}: {shown}") from e
 
 
 class StepGuard:
@@ -180,11 +191,37 @@ class StepGuard:
                 f" (and {count - 1} earlier one{'s' if count > 2 else ''})" if count > 1 else ""
             )
             what = f"that update{earlier} was not applied"
+        if self._weights_finite():
+            weights = f"{what}, and the weights hold finite values (checked now)"
+        else:
+            weights = (
+                f"{what}, but the weights already hold NaN or inf: an earlier update made them so"
+                " although its loss and gradient norm were finite (a learning rate too high,"
+                " or not finite)"
+            )
         return NonFiniteStepError(
-            f"step {step}: loss {loss} and grad_norm {grad_norm}: not finite; {what}, so the"
-            f" weights and every checkpoint hold finite values; stopping. {self._origin()}."
-            " Lower [optimizer] lr, or check the data; resume from the last checkpoint"
+            f"step {step}: loss {loss} and grad_norm {grad_norm}: not finite; {weights};"
+            f" stopping. {self._origin()}. Lower [optimizer] lr, or check the data; resume from"
+            " the last checkpoint"
         )
+
+    def _weights_finite(self) -> bool:
+        """Whether every parameter the optimizer steps holds finite values, on every rank: one
+        check per tensor and one reduction, on the error path only (every rank reaches it at
+        the same step, the verdict being global)."""
+        tensors = [
+            (p.to_local() if isinstance(p, DTensor) else p).detach()
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+        ]
+        tensors = [t for t in tensors if t.is_floating_point() and t.numel()]
+        if not tensors:
+            return True
+        device = tensors[0].device  # (CPU offload keeps every parameter on the CPU)
+        bad = torch.stack([(~torch.isfinite(t)).any().to(device) for t in tensors]).any().float()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     def _origin(self) -> str:
         """Which ranks' own losses went non-finite first: one all-gather, on the error path

@@ -54,6 +54,7 @@ OPTIONAL = {
     "prefetch_factor": None,
     "pin_memory": None,
     "seed": None,
+    "text_field": "text",
 }
 """Keywords newer than the first data plugins, with the value that asks for nothing (None:
 any value may be dropped silently)."""

@@ -4,9 +4,10 @@ With `decay_ratio` unset the decay spans every step after warm-up (the classic w
 
 The schedule is always the one of the current config. Resuming with another `training.steps`
 (extending a run) or other `[lr_scheduler]` keys recomputes it for the new settings and applies
-it from the resumed step on, the first resumed step included; a warning gives the learning rate
-the old schedule would have used at that step and the one used now (with warmup-stable-decay, a
-longer run lengthens the stable phase, so a run resumed after its decay began jumps back up).
+it from the resumed step on, the first resumed step included; so does another peak `[optimizer]
+lr`. A warning gives the learning rate the old schedule would have used at that step and the one
+used now (with warmup-stable-decay, a longer run lengthens the stable phase, so a run resumed
+after its decay began jumps back up).
 The factor multiplies the optimizer's peak `lr`; step s (0-based) is the s+1-th optimizer step:
 
     warm-up   s < W:          (s + 1) / (W + 1)            never exactly zero
@@ -77,7 +78,14 @@ def _factor_fn(total_steps: int, settings: dict):
 
 
 class LRSchedule(LambdaLR):
-    """LambdaLR whose checkpoint records the schedule it followed (see the module docstring)."""
+    """LambdaLR whose checkpoint records the schedule it followed (see the module docstring).
+
+    The learning rate of every step is a function of the current config ([optimizer] lr,
+    [lr_scheduler], training.steps) and of the step alone: `apply()` writes it into the
+    optimizer, and the trainer calls it before each step. Nothing loaded from a checkpoint
+    decides it: DCP restores states in the order of their names, so the optimizer's
+    `param_groups` (holding the saving run's lr) are loaded after this schedule, and the
+    checkpoint's `base_lrs` hold the saving run's peak."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg, total_steps: int):
         self.schedule = {
@@ -90,37 +98,46 @@ class LRSchedule(LambdaLR):
         super().__init__(optimizer, _factor_fn(total_steps, self.schedule))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        current = dict(self.schedule)
         # Each group's peak is the configured one (its `initial_lr`), not the checkpoint's: a
         # group's lr may have changed, and a pipeline rank's groups are not rank 0's (whose
         # copy of this state the checkpoint keeps).
-        base_lrs = list(self.base_lrs)
+        current, peaks = dict(self.schedule), list(self.base_lrs)
         super().load_state_dict(state_dict)
-        self.base_lrs = base_lrs
         previous, self.schedule = self.schedule, current
-        # LambdaLR would keep the checkpoint's learning rate until its next step: set the
-        # current schedule's value for the step about to run.
+        saved_peaks, self.base_lrs = self.base_lrs, peaks
+        self.apply()
+        changes = [
+            f"{k} {previous.get(k)} -> {v}" for k, v in current.items() if previous.get(k) != v
+        ]
+        if saved_peaks != peaks:
+            changes.append(f"[optimizer] lr {_peaks(saved_peaks)} -> {_peaks(peaks)}")
+        if changes:
+            old_factor = _factor_fn(previous["total_steps"], previous)(self.last_epoch)
+            new_factor = self.lr_lambdas[0](self.last_epoch)
+            log.warning(
+                "the learning-rate schedule changed since the checkpoint (%s); it is recomputed"
+                " for the new settings from step %d on: lr %.4g there under the old schedule"
+                " (factor %.4g), %.4g under the new one (factor %.4g)",
+                ", ".join(changes),
+                self.last_epoch + 1,
+                saved_peaks[0] * old_factor,
+                old_factor,
+                peaks[0] * new_factor,
+                new_factor,
+            )
+
+    def apply(self) -> None:
+        """Set each parameter group's lr to the schedule's value for the step about to run."""
         for group, lr in zip(self.optimizer.param_groups, self._current_lrs()):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-        if previous != current:
-            old = _factor_fn(previous["total_steps"], previous)(self.last_epoch)
-            new = _factor_fn(current["total_steps"], current)(self.last_epoch)
-            changed = ", ".join(
-                f"{k} {previous.get(k)} -> {v}" for k, v in current.items() if previous.get(k) != v
-            )
-            log.warning(
-                "the learning-rate schedule changed since the checkpoint (%s); it is recomputed"
-                " for the new settings from step %d on: lr factor %.4g there under the old"
-                " schedule, %.4g under the new one",
-                changed,
-                self.last_epoch + 1,
-                old,
-                new,
-            )
 
     def _current_lrs(self) -> list[float]:
         return [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+
+
+def _peaks(lrs: list[float]) -> str:
+    return ", ".join(f"{lr:g}" for lr in dict.fromkeys(lrs))
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from titan_core import get_logger
+from titan_trainer.guards import build_checked_loader
+from titan_trainer.loader_state import plugin_kwargs
 
 log = get_logger("validate")
 
@@ -22,6 +24,7 @@ class Validator:
         self,
         cfg,
         data,
+        plugin: str,
         tokenizer,
         dp_rank: int,
         dp_world: int,
@@ -29,9 +32,10 @@ class Validator:
         bad_rows: str = "error",
     ):
         self.cfg = cfg
-        self.build = lambda: data.build_dataloader(
+        kwargs = dict(
             dataset=cfg.dataset,
             dataset_path=cfg.dataset_path,
+            text_field=cfg.dataset_text_field,
             tokenizer=tokenizer,
             seq_len=cfg.seq_len if cfg.seq_len != -1 else train_seq_len,
             batch_size=cfg.local_batch_size,
@@ -40,6 +44,8 @@ class Validator:
             infinite=False,
             bad_rows=bad_rows,
         )
+        kwargs = plugin_kwargs(data.build_dataloader, kwargs, plugin)
+        self.build = lambda: build_checked_loader(data, section="validation", **kwargs)
 
     def due(self, step: int) -> bool:
         return self.cfg.enable and step % self.cfg.freq == 0

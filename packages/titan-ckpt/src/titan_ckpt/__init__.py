@@ -10,20 +10,22 @@ from titan_ckpt.dcp_io import (
     load_consolidated,
     nonfinite_tensors,
     save_model_checkpoint,
+    value_problems,
 )
 from titan_ckpt.errors import CheckpointLoadError, CheckpointSaveError
 from titan_ckpt.hf import export_hf, import_hf, read_safetensors
 from titan_ckpt.layout import list_checkpoints
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
-from titan_ckpt.preflight import check_loadable
+from titan_ckpt.preflight import check_loadable, check_space
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.states import ModelState, OptimizerState
 
-__version__ = importlib.metadata.version("titan-ckpt")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-ckpt")  # the pyproject's version, one source
 
 __all__ = [
     "check_loadable",
+    "check_space",
     "Checkpoint",
     "CheckpointLoadError",
     "CheckpointManager",
@@ -37,6 +39,7 @@ __all__ = [
     "list_checkpoints",
     "load_consolidated",
     "nonfinite_tensors",
+    "value_problems",
     "ModelState",
     "OptimizerState",
     "read_safetensors",

@@ -27,13 +27,14 @@ from titan_ckpt.dcp_io import (
     checkpoint_problems,
     dcp_to_torch_file,
     load_consolidated,
-    nonfinite_tensors,
     save_model_checkpoint,
+    value_problems,
 )
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
-from titan_core.plugins import MODELS, PluginError, resolve
-from titan_core.protocols import HFAdapter, ModelSpec
+from titan_core.plugins import DATA, MODELS, PluginError, resolve
+from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
 
 class CliError(Exception):
@@ -69,13 +70,15 @@ def _flavor_args(model: str, flavor: str | None, overrides: Sequence[str]) -> tu
 
 def _checkpoint_args(spec: ModelSpec, args: Any, ckpt: Path, given: set[str]) -> Any:
     """The flavor's arguments as the checkpoint's model was built: the vocabulary size of its
-    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's) and the
-    sequence length of its saved config, unless given with --set."""
+    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's), unless
+    given with --set. The context length (`max_position_embeddings`) stays the flavor's own,
+    or the run's sequence length where that is longer: a run trained on short samples does
+    not shorten the model's positions."""
     fields = {f.name for f in dataclasses.fields(args)}
     changes: dict[str, Any] = {}
     seq_len = _saved_config(ckpt).get("training", {}).get("seq_len")
     if "max_seq_len" in fields and "max_seq_len" not in given and isinstance(seq_len, int):
-        changes["max_seq_len"] = seq_len
+        changes["max_seq_len"] = max(seq_len, args.max_seq_len)
     if "vocab_size" in fields and "vocab_size" not in given:
         vocab = _vocab_of_tensors(spec, args, checkpoint_keys(ckpt))
         if vocab is not None:
@@ -119,6 +122,32 @@ def _saved_config(ckpt: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
+def _token_ids(ckpt: Path) -> tuple[int | None, int | None]:
+    """BOS and EOS ids of the tokenizer the run trained with, for config.json: its saved config
+    names the tokenizer and the data plugin that builds it (found by name, as the trainer
+    finds it). (None, None), with a note, when it cannot be built here."""
+    saved = _saved_config(ckpt)
+    if not saved:
+        return None, None
+    model = saved.get("model", {})
+    # The trainer's rule: tokenizer_path unless it is left at `byte` and hf_assets_path is set.
+    name = model.get("tokenizer_path", "byte")
+    if name == "byte" and model.get("hf_assets_path"):
+        name = model["hf_assets_path"]
+    plugin = saved.get("training", {}).get("data_plugin", "titan")
+    try:
+        tokenizer = resolve(DATA, plugin).build_tokenizer(name)
+    except Exception as e:  # noqa: BLE001 - a tokenizer file not on this machine: say so
+        print(
+            f"titan-ckpt: note: the run's tokenizer {name!r} cannot be loaded here"
+            f" ({str(e).splitlines()[0] if str(e) else type(e).__name__}); config.json gets"
+            " no bos_token_id/eos_token_id",
+            file=sys.stderr,
+        )
+        return None, None
+    return tokenizer.bos_id, tokenizer.eos_id
+
+
 def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
     """[model] name and flavor from the resolved config saved in the checkpoint, if any."""
     model = _saved_config(ckpt).get("model", {})
@@ -136,7 +165,10 @@ def _dcp_to_hf(a: argparse.Namespace) -> None:
         )
     spec, args = _flavor_args(name, a.flavor or saved_flavor, a.set)
     given = {_parse_override(o)[0] for o in a.set}
-    adapter = spec.hf_adapter(_checkpoint_args(spec, args, ckpt, given))
+    bos, eos = _token_ids(ckpt)
+    adapter = build_hf_adapter(
+        spec, _checkpoint_args(spec, args, ckpt, given), bos_token_id=bos, eos_token_id=eos
+    )
     state = load_consolidated(ckpt, "model.")
     files = export_hf(
         state, adapter, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30)
@@ -164,9 +196,15 @@ def _dcp_to_torch(a: argparse.Namespace) -> None:
 
 def _list(a: argparse.Namespace) -> None:
     found = layout.committed(a.folder)
-    if not found:
+    unmarked = layout.unmarked(a.folder)
+    if not found and not unmarked:
         print(f"no complete checkpoints in {a.folder}")
-    for step, path in found:
+    for step, path in sorted(found + unmarked):
+        if (step, path) in unmarked:
+            print(
+                f"step {step:>8}  {'no marker':<10}  {'':>10}  {path}: not a checkpoint ({layout.COMMIT_FILE} is missing)"
+            )
+            continue
         try:
             record = layout.read_commit(path)
         except (OSError, ValueError) as e:
@@ -177,22 +215,26 @@ def _list(a: argparse.Namespace) -> None:
 
 
 def _verify(a: argparse.Namespace) -> int:
-    """Check checkpoints offline, as a resume does: exit 1 if any fails."""
+    """Check checkpoints offline, as a resume does, every byte: exit 1 if any fails."""
     target = Path(a.path)
-    paths = (
-        [target]
-        if (target / layout.COMMIT_FILE).exists()
-        else [p for _, p in layout.committed(target)]
-    )
-    if not paths:
+    unmarked: list[Path] = []
+    if (target / layout.COMMIT_FILE).exists():
+        paths = [target]
+    elif (target / ".metadata").exists():
+        paths, unmarked = [], [target]
+    else:
+        paths = [p for _, p in layout.committed(target)]
+        unmarked = [p for _, p in layout.unmarked(target)]
+    if not paths and not unmarked:
         raise CliError(f"{target} is neither a checkpoint nor a folder of checkpoints")
     failed = 0
-    for path in paths:
-        problems = checkpoint_problems(path)
+    for path in sorted(paths + unmarked, key=_step_order):
+        if path in unmarked:
+            problems = [layout.UNMARKED.format(marker=layout.COMMIT_FILE)]
+        else:
+            problems = checkpoint_problems(path)
         if not problems and a.values:
-            problems = [
-                f"{name} holds NaN or inf" for name in nonfinite_tensors(path, progress=False)
-            ]
+            problems = value_problems(path, progress=False)
         if problems:
             failed += 1
             print(f"{path}: FAILED: " + "; ".join(problems))
@@ -201,14 +243,25 @@ def _verify(a: argparse.Namespace) -> int:
         if files is None:
             print(
                 f"{path}: not verified: it records no checksums (saved by titan-ckpt 0.1.0 or another tool)"
+                + ("; values plausible" if a.values else "")
             )
             continue
         size = sum(int(entry["bytes"]) for entry in files.values())
-        checked = " and values finite" if a.values else ""
-        print(f"{path}: OK ({len(files)} files, {size / 2**20:,.1f} MiB, checksums{checked})")
+        algorithms = sorted({entry.get("algorithm", LEGACY_ALGORITHM) for entry in files.values()})
+        checked = " and values plausible" if a.values else ""
+        print(
+            f"{path}: OK ({len(files)} files, {size / 2**20:,.1f} MiB,"
+            f" {'/'.join(algorithms)} checksums{checked})"
+        )
     if failed:
-        print(f"{failed} of {len(paths)} checkpoints failed verification", file=sys.stderr)
+        total = len(paths) + len(unmarked)
+        print(f"{failed} of {total} checkpoints failed verification", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _step_order(path: Path) -> tuple[int, str]:
+    name = path.name
+    return (int(name[5:]), name) if name.startswith("step-") and name[5:].isdigit() else (-1, name)
 
 
 def _require_checkpoint(path: Path) -> None:
@@ -238,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--values",
         action="store_true",
-        help="also read every model and optimizer tensor and check that none holds NaN or inf",
+        help="also read every model and optimizer tensor: none may hold NaN or inf, no second"
+        " moment (exp_avg_sq, ...) may be negative, and optimizer step counts must be whole"
+        " numbers up to the checkpoint's step",
     )
     verify.set_defaults(func=_verify)
     convert = sub.add_parser("convert", help="convert between formats").add_subparsers(

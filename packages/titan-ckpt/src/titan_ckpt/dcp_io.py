@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,13 @@ from torch.distributed.checkpoint.planner import ReadItem
 from tqdm import tqdm
 
 from titan_ckpt import layout
-from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries, verify_files
+from titan_ckpt.integrity import (
+    ChecksummingWriter,
+    checked_while_read,
+    entry_problem,
+    nonfinite_entries,
+    verify_files,
+)
 from titan_ckpt.safe_read import SafeFileSystemReader, load_plain, read_metadata_file
 
 # DCP warns on every single-process save/load that it assumes one process; here that is the intent.
@@ -47,34 +53,100 @@ def checkpoint_keys(path: str | Path) -> dict[str, Any]:
     return dict(read_metadata_file(Path(path) / ".metadata").state_dict_metadata)
 
 
-def checkpoint_problems(path: str | Path, rank: int = 0, world: int = 1) -> list[str]:
+def checkpoint_problems(
+    path: str | Path, rank: int = 0, world: int = 1, *, read_data: bool = True
+) -> list[str]:
     """Why the checkpoint folder `path` cannot be trusted, or an empty list: a commit marker
-    that cannot be read, no `.metadata`, a file whose size or checksum differs from what the
-    marker recorded (cut short, overwritten, replaced), or metadata that asks to run code.
+    that cannot be read, names another step than its folder, or records no checksum for a file
+    the checkpoint holds; no `.metadata`, or one that asks to run code; a file whose size or
+    checksum differs from what the marker recorded (cut short, overwritten, replaced).
 
-    Reads every byte once. With `rank` and `world`, this process checks only its share of the
-    data files (`.metadata` and the marker are checked by all); merge the ranks' lists."""
+    With `read_data` (the default) every byte is read once. Without it, data files with
+    piecewise checksums are only checked for their size, because a load checks their bytes as
+    it reads them (SafeFileSystemReader with the marker's checksums). With `rank` and `world`,
+    this process checks only its share of the data files (the marker and `.metadata` are
+    checked by all); merge the ranks' lists."""
     path = Path(path)
     try:
         record = layout.read_commit(path)
     except (OSError, ValueError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         return [f"its commit marker {layout.COMMIT_FILE} cannot be read ({reason})"]
+    problem = layout.step_problem(path, record)
+    if problem:
+        return [problem]
     if not (path / ".metadata").is_file():
         return ["it has no .metadata (DCP's index of the saved tensors)"]
-    files = record.get("files") or {}
+    files = record.get("files")
+    if files is None:  # titan-ckpt 0.1.0 wrote none: nothing to compare (the caller says so)
+        return _metadata_problems(path)
+    problem = _marker_form_problem(files)
+    if problem:
+        return [problem]
+    problems = verify_files(path, {".metadata": files[".metadata"]})
+    if problems:
+        return problems
+    metadata, problems = _read_metadata(path)
+    if problems:
+        return problems
+    held = {p.name for p in path.glob("*.distcp")} | {
+        info.relative_path
+        for info in (metadata.storage_data or {}).values()
+        if hasattr(info, "relative_path")  # the files `.metadata` says hold the saved items
+    }
+    unrecorded = sorted(held - set(files))
+    if unrecorded:
+        return [_unrecorded(unrecorded)]
+    data = {name: entry for name, entry in files.items() if name != ".metadata"}
+    return verify_files(path, data, rank, world, read=read_data)
+
+
+def _marker_form_problem(files: Any) -> str | None:
+    form = (
+        f"its commit marker {layout.COMMIT_FILE} lists checksums in a form this version cannot read"
+    )
+    if not isinstance(files, Mapping):
+        return f"{form} ('files' is a {type(files).__name__}, not a table)"
+    for name, entry in sorted(files.items()):
+        problem = entry_problem(entry)
+        if problem:
+            return f"{form} ({name}: {problem})"
+    if ".metadata" not in files:
+        return _unrecorded([".metadata"])
+    return None
+
+
+def _unrecorded(names: list[str]) -> str:
+    return (
+        f"its commit marker records no checksum for {', '.join(names[:3])}"
+        + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        + ", which the checkpoint holds: the marker was damaged, edited or written by another"
+        f" tool, so the checkpoint cannot be verified (restore its {layout.COMMIT_FILE} from a"
+        " copy, or move the folder away)"
+    )
+
+
+def _metadata_problems(path: Path) -> list[str]:
+    return _read_metadata(path)[1]
+
+
+def _read_metadata(path: Path) -> tuple[Any, list[str]]:
+    """`.metadata` read without running code, or why it cannot be."""
     try:
-        problems = verify_files(path, {k: v for k, v in files.items() if k == ".metadata"})
-        data = {name: entry for name, entry in files.items() if name != ".metadata"}
-        problems += verify_files(path, data, rank, world)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:  # every rank must answer
-        return [f"its commit marker lists checksums in a form this version cannot read ({e!r})"]
-    if not problems:
-        try:
-            read_metadata_file(path / ".metadata")
-        except Exception as e:  # noqa: BLE001 - any failure to read it is the problem
-            problems.append(str(e) if str(e) else type(e).__name__)
-    return problems
+        return read_metadata_file(path / ".metadata"), []
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the problem
+        return None, [str(e) if str(e) else type(e).__name__]
+
+
+def checksums_to_check_while_reading(path: str | Path) -> dict[str, Any] | None:
+    """The marker's checksum entries when a load can check the bytes it reads against them
+    (piecewise sums); None for markers without them."""
+    files = layout.read_commit(path).get("files")
+    if isinstance(files, Mapping) and any(
+        isinstance(e, Mapping) and checked_while_read(e) for e in files.values()
+    ):
+        return dict(files)
+    return None
 
 
 def load_consolidated(
@@ -102,6 +174,73 @@ def nonfinite_tensors(
             for chunk in _chunks(path, prefix, progress=progress, chunk_bytes=1 << 28):
                 bad += nonfinite_entries(chunk)
     return bad
+
+
+SECOND_MOMENTS = frozenset(
+    {
+        "exp_avg_sq",  # Adam, AdamW, Ranger21
+        "max_exp_avg_sq",  # AMSGrad
+        "exp_avg_sq_row",  # Adafactor's factors
+        "exp_avg_sq_col",
+        "square_avg",  # RMSprop, Adadelta
+        "acc_delta",  # Adadelta
+        "sum",  # Adagrad
+        "grad_sum_sq",  # MADGRAD
+        "exp_inf",  # Adamax
+    }
+)
+"""Optimizer states that average or sum squares (or magnitudes): never negative."""
+
+
+def value_problems(path: str | Path, *, progress: bool = True) -> list[str]:
+    """Saved values that cannot be right, read a chunk at a time in one process: NaN or inf in
+    the model or optimizer, a negative second-moment estimate (`SECOND_MOMENTS`), an optimizer
+    step count that is not a whole number from 0 to the checkpoint's step (an optimizer takes
+    at most one step per training step)."""
+    path = Path(path)
+    problems = [
+        f"{name} holds NaN or inf"
+        for name in nonfinite_tensors(path, ("model.",), progress=progress)
+    ]
+    keys = checkpoint_keys(path)
+    if not any(
+        k.startswith("optimizer.") and isinstance(v, TensorStorageMetadata) for k, v in keys.items()
+    ):
+        return problems
+    try:
+        saved_step = int(layout.read_commit(path)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        saved_step = None
+    for chunk in _chunks(path, "optimizer.", progress=progress, chunk_bytes=1 << 28):
+        problems += [f"{name} holds NaN or inf" for name in nonfinite_entries(chunk)]
+        for key, tensor in chunk.items():
+            kind = key.rsplit(".", 1)[-1]
+            if not tensor.is_floating_point() or tensor.numel() == 0:
+                continue
+            if kind in SECOND_MOMENTS and bool((tensor < 0).any()):
+                problems.append(
+                    f"{key} holds negative values (down to {tensor.min().item():.3g}), which a"
+                    " second-moment estimate never does"
+                )
+            elif kind == "step":
+                problems += _step_problems(key, tensor, saved_step)
+    return problems
+
+
+def _step_problems(key: str, tensor: torch.Tensor, saved_step: int | None) -> list[str]:
+    values = tensor.double().flatten()
+    if not bool(torch.isfinite(values).all()):
+        return []  # reported as NaN or inf
+    if bool((values != values.round()).any()) or bool((values < 0).any()):
+        return [f"{key} = {values[0].item():g} is not a whole number of steps"]
+    top = int(values.max().item())
+    if saved_step is not None and top > saved_step:
+        return [
+            f"{key} = {top:,} counts more optimizer steps than the checkpoint's step {saved_step:,}"
+            " (one per training step at most; expected only if the run reset its step count with"
+            ' exclude_from_loading = ["train_state"])'
+        ]
+    return []
 
 
 def _chunks(

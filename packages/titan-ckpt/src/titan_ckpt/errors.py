@@ -7,31 +7,62 @@ import pickle
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from titan_ckpt.integrity import CorruptDataError
 from titan_ckpt.safe_read import UnsafeCheckpointError, weights_only_reason
+from titan_core.protocols import CheckpointError
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(CheckpointError):
     """A save failed on some rank (disk full, I/O error) or was refused (NaN or inf in the
     state); the previous checkpoint is intact and stays the newest."""
 
 
-class CheckpointLoadError(RuntimeError):
+class CheckpointLoadError(CheckpointError):
     """No checkpoint could be restored: the one asked for, or every one in the folder, failed
-    its checks; the message names each and why."""
+    its checks; the message names each and why, and what to do."""
 
 
-def failure_reason(error: BaseException) -> str | None:
-    """The operating system's reason behind a failed write ("No space left on device", "File
-    too large", "Read-only file system"), found in the exception chain of any rank's failure;
-    None when there is none (DCP itself may only say "unexpected pos 704 vs 598")."""
+class CheckpointNotFoundError(CheckpointLoadError, FileNotFoundError):
+    """The step asked for (`load_step`) has no complete checkpoint in the folder."""
+
+    def __str__(self) -> str:  # not OSError's "[Errno ...]" form
+        return str(self.args[0]) if self.args else ""
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The operating system's error behind a failed write, found in the exception chain of
+    any rank's failure; None when there is none."""
     for failure in _failures(error):
         seen = set()
         cause: BaseException | None = failure
         while cause is not None and id(cause) not in seen:
             seen.add(id(cause))
             if isinstance(cause, OSError) and cause.errno:
-                where = f" ({cause.filename})" if cause.filename else ""
-                return f"{cause.strerror or os.strerror(cause.errno)}{where}"
+                return cause
+            cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def failure_reason(error: BaseException) -> str | None:
+    """The operating system's reason behind a failed write ("No space left on device", "File
+    too large", "Read-only file system"); None when there is none (DCP itself may only say
+    "unexpected pos 704 vs 598")."""
+    cause = os_error(error)
+    if cause is None:
+        return None
+    where = f" ({cause.filename})" if cause.filename else ""
+    return f"{cause.strerror or os.strerror(cause.errno)}{where}"
+
+
+def corrupt_data(error: BaseException) -> str | None:
+    """What a read found corrupt (CorruptDataError on any rank), or None."""
+    for failure in _failures(error):
+        seen = set()
+        cause: BaseException | None = failure
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, CorruptDataError):
+                return str(cause)
             cause = cause.__cause__ or cause.__context__
     return None
 

@@ -4,7 +4,11 @@ A save is written into `step-<N>.tmp/`. Only when every rank has finished writin
 add `config.toml` and the commit marker, flush them, and rename the folder to `step-<N>`. A
 folder is a checkpoint only if its name is `step-<N>` and it holds the marker, so a crash, a kill
 or a full disk at any moment leaves the previous checkpoint the newest complete one. Leftovers
-(`*.tmp`, `*.old`) are ignored and removed after the next successful save.
+of unfinished saves (`*.tmp`, `*.old`) are ignored and removed after the next successful save.
+
+A `step-<N>` that holds DCP's `.metadata` (written last) but no marker never comes from an
+unfinished save: its marker was deleted, or another tool wrote it. It is reported by name
+(`unmarked`), never loaded and never deleted.
 
 The marker records the size and checksum of every file of the checkpoint (see integrity.py), so
 a file that was cut short, overwritten or replaced after the commit is found before loading.
@@ -20,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titan_ckpt.integrity import collect_checksums, file_entry
+from titan_ckpt.integrity import collect_checksums, file_entry, write_synced
 
 COMMIT_FILE = "titan_commit.json"
 CONFIG_FILE = "config.toml"
@@ -53,6 +57,47 @@ def read_commit(path: str | Path) -> dict[str, Any]:
     return record
 
 
+def step_problem(path: str | Path, record: dict[str, Any]) -> str | None:
+    """A marker whose step is not the one its `step-<N>` folder is named for."""
+    name = Path(path).name
+    match = _STEP.match(name)
+    if match and int(match.group(1)) != record["step"]:
+        return (
+            f"its commit marker says step {record['step']}, but its folder is {name}: the marker"
+            " belongs to another checkpoint (copied or edited), so which step this is cannot be"
+            " known; move the folder away"
+        )
+    return None
+
+
+def unmarked(folder: str | Path) -> list[tuple[int, Path]]:
+    """`step-<N>` folders that look complete (they hold `.metadata`) but have no commit marker,
+    oldest first: never loaded, never deleted, reported."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        match = _STEP.match(entry.name)
+        if match and entry.is_dir() and not _has_marker(entry) and _has_metadata(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+UNMARKED = (
+    "it holds .metadata but no commit marker {marker}: not a checkpoint this package can trust"
+    " (the marker was deleted, or another tool wrote it); it is never loaded. If it is one of"
+    " this run's, restore its marker from a copy; otherwise move it away"
+)
+
+
+def _has_metadata(path: Path) -> bool:
+    try:
+        return (path / ".metadata").exists()
+    except OSError:
+        return True
+
+
 def committed(folder: str | Path) -> list[tuple[int, Path]]:
     """`step-<N>` folders holding a commit marker, oldest first, whether or not the marker
     can be read and the rest of the checkpoint is there (the load reports what is wrong)."""
@@ -80,13 +125,6 @@ def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
     return [(step, path) for step, path in committed(folder) if is_complete(path)]
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _sync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -100,10 +138,10 @@ def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = ""
     marker records `record` and the size and checksum of every file."""
     files = collect_checksums(tmp)
     if config_toml:
-        _write_synced(tmp / CONFIG_FILE, config_toml)
+        write_synced(tmp / CONFIG_FILE, config_toml)
         files[CONFIG_FILE] = file_entry(tmp / CONFIG_FILE)
     marker = {**record, "files": files, "committed_at": time.time()}
-    _write_synced(tmp / COMMIT_FILE, json.dumps(marker, indent=1))
+    write_synced(tmp / COMMIT_FILE, _marker_text(marker))
     _sync_dir(tmp)
     if final.exists():  # saving a step again (e.g. a seed checkpoint re-created): swap it out
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
@@ -113,6 +151,22 @@ def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = ""
     else:
         os.rename(tmp, final)
     _sync_dir(final.parent)
+
+
+def _marker_text(marker: dict[str, Any]) -> str:
+    """JSON with a line per key and per file: readable, and compact however many pieces."""
+
+    def compact(value: Any) -> str:
+        return json.dumps(value, separators=(", ", ": "))
+
+    lines = []
+    for key, value in marker.items():
+        if key == "files":
+            inner = ",\n".join(f"  {json.dumps(n)}: {compact(e)}" for n, e in value.items())
+            lines.append(f' "files": {{\n{inner}\n }}')
+        else:
+            lines.append(f" {json.dumps(key)}: {compact(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def prune(
@@ -147,9 +201,12 @@ def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[
     for entry in folder.iterdir():
         if entry.name in skip_names:
             continue
-        # A `step-<N>` without a marker was never committed; a committed one with a file
-        # missing is kept (and reported when loaded), never deleted behind the user's back.
-        incomplete_step = _STEP.match(entry.name) and not _has_marker(entry)
+        # A `step-<N>` without a marker or `.metadata` holds no finished DCP save. One with a
+        # file missing, or with `.metadata` but no marker, is kept (and reported when loaded),
+        # never deleted behind the user's back.
+        incomplete_step = (
+            _STEP.match(entry.name) and not _has_marker(entry) and not _has_metadata(entry)
+        )
         if _LEFTOVER.match(entry.name) or incomplete_step:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)

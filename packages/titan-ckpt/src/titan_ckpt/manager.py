@@ -10,6 +10,7 @@ run code). A checkpoint that fails its checks is reported by name and the previo
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from collections.abc import Mapping
@@ -21,16 +22,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from titan_ckpt import layout
 from titan_ckpt.config import Checkpoint
-from titan_ckpt.dcp_io import SafeLoadPlanner, checkpoint_keys, checkpoint_problems
+from titan_ckpt.dcp_io import (
+    SafeLoadPlanner,
+    checkpoint_keys,
+    checkpoint_problems,
+    checksums_to_check_while_reading,
+)
 from titan_ckpt.errors import (
     CheckpointLoadError,
+    CheckpointNotFoundError,
     CheckpointSaveError,
+    corrupt_data,
     failure_reason,
     first_line,
+    os_error,
 )
 from titan_ckpt.hf import DTYPES, export_hf, import_hf
 from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries
@@ -139,7 +149,11 @@ class CheckpointManager:
         error: RunFolderError | None = None
         if self.rank == 0:
             try:
-                check_writable(self.folder, purpose="checkpoint folder")
+                check_writable(
+                    self.folder,
+                    purpose="checkpoint folder",
+                    hint="point [checkpoint] folder at another folder",
+                )
                 self._lock = FolderLock(
                     self.folder,
                     purpose="checkpoint folder",
@@ -168,8 +182,10 @@ class CheckpointManager:
                 '[checkpoint] async_executor = "process" needs an initialised torch.distributed process group\n'
                 'use "thread" in a plain single process'
             )
-        if self._dist and self.world_size > 1:
-            # The background writer runs collectives while training runs its own: give it a group.
+        if self._dist and (self.world_size > 1 or not _has_cpu_backend()):
+            # The background writer runs collectives while training runs its own, and DCP's
+            # async save refuses a group without a CPU backend (one made as `nccl` alone, as
+            # a user's own job may be): give it a gloo group of its own.
             self._async_pg = dist.new_group(backend="gloo")
         has_optimizer = isinstance(optimizer, torch.optim.Optimizer)
         self._stager = build_stager(self.config.async_mode, background=has_optimizer)
@@ -306,7 +322,10 @@ class CheckpointManager:
         if self.rank != 0:
             return
         final = layout.step_dir(self.folder, step)
-        layout.commit(tmp, final, record, self.config_toml)
+        try:
+            layout.commit(tmp, final, record, self.config_toml)
+        except OSError as e:  # the marker did not fit (a full disk): the save did not happen
+            self._fail(e, step, tmp)
         in_flight = {self._pending.tmp} if self._pending is not None else set()
         protect = {self._loaded_path} if self._loaded_path is not None else set()
         for path in layout.prune(self.folder, self.config.keep_latest_k, protect, newest=step):
@@ -316,10 +335,11 @@ class CheckpointManager:
         layout.remove_leftovers(self.folder, skip=in_flight)
 
     def _fail(self, error: BaseException, step: int, tmp: Path) -> None:
-        """Report a failed save with its real cause in one line, give the space back, raise."""
+        """Report a failed save with its real cause and what to do, give the space back, raise."""
         if isinstance(error, KeyboardInterrupt):
             self._discard(tmp)
             raise error
+        cause = os_error(error)
         reason = failure_reason(error)
         if reason is None:
             # DCP's own message may hide the cause ("unexpected pos 704 vs 598"), and errors
@@ -328,17 +348,47 @@ class CheckpointManager:
                 check_writable(self.folder, purpose="checkpoint folder")
                 reason = first_line(error)
             except RunFolderError as e:
-                reason = str(e).splitlines()[0].split(" is not writable: ", 1)[-1]
+                cause = e.__cause__ if isinstance(e.__cause__, OSError) else None
+                reason = (cause.strerror if cause is not None else None) or first_line(error)
         self._discard(tmp)
         raise CheckpointSaveError(
-            f"checkpoint save at step {step} failed: {reason}; {self._newest_note()}"
+            f"checkpoint save at step {step} failed: {reason}; {self._newest_note()}\n"
+            + self._save_advice(cause)
         ) from error
 
     def _newest_note(self) -> str:
         found = layout.list_checkpoints(self.folder)
         if not found:
             return "there is no earlier checkpoint"
-        return f"the previous checkpoint {found[-1][1].name} stays the newest"
+        return f"the previous checkpoint {found[-1][1].name} stays the newest, untouched"
+
+    def _save_advice(self, cause: OSError | None) -> str:
+        """What to do about a failed save, for the operating system's reason behind it."""
+        found = layout.list_checkpoints(self.folder)
+        again = "then run the same command again" + (
+            f": it resumes from {found[-1][1].name}" if found else ""
+        )
+        where = f"the checkpoint folder {self.folder}"
+        code = cause.errno if cause is not None else None
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            size = f" (a checkpoint of this run takes {_size_of(found[-1][1])})" if found else ""
+            return (
+                f"{where} is on a full disk{size}: free space there, lower [checkpoint]"
+                f" keep_latest_k (now {self.config.keep_latest_k}), or point [checkpoint] folder"
+                f" at a disk with room; {again}"
+            )
+        if code == errno.EFBIG:
+            return (
+                f"{where}: a file size limit stopped the write (`ulimit -f`, or the largest"
+                f" file its file system takes): raise it, or point [checkpoint] folder at another"
+                f" disk; {again}"
+            )
+        if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return (
+                f"{where} can no longer be written: make it writable, or point [checkpoint]"
+                f" folder elsewhere; {again}"
+            )
+        return f"{where}: fix the cause above; {again}"
 
     def _discard(self, tmp: Path) -> None:
         if self.rank == 0:
@@ -360,10 +410,12 @@ class CheckpointManager:
         """Restore the newest usable checkpoint (or `step`); return its step, or None if there
         is none and no `initial_load_path`. Model-only checkpoints restore the weights only.
 
-        Before anything is read, each candidate's files are checked against the checksums in
-        its marker and its metadata is read without running code; a candidate that fails is
-        reported by name with the reason and the previous one is tried. Values read back
-        with NaN or inf also reject a checkpoint. CheckpointLoadError when none is usable."""
+        Before anything is read, each candidate's marker, metadata (read without running code)
+        and file sizes are checked; its bytes are checked against the marker's checksums while
+        they are read. A candidate that fails is reported by name with the reason and the
+        previous one is tried. Values read back with NaN or inf also reject a checkpoint.
+        CheckpointLoadError when none is usable, or when the `step` asked for is not: it says
+        which other checkpoint is."""
         candidates = self._candidates(step)
         if not candidates:
             return self._initial_load()
@@ -391,23 +443,61 @@ class CheckpointManager:
             failed.append(f"{path.name}: {problem}")
             log.error("checkpoint %s is not usable: %s", path, problem)
             if step != -1:
-                break
+                raise CheckpointLoadError(self._asked_step_failed(step, path, problem))
         raise CheckpointLoadError(
-            f"no usable checkpoint in {self.folder}:\n  "
+            f"no usable checkpoint in {self.folder}; each was left in place:\n  "
             + "\n  ".join(failed)
-            + "\nmove the broken ones away (or delete them) to resume from an older one, or to start afresh"
+            + "\nmove the broken ones away (or delete them) to resume from an older one, or to"
+            " start afresh; `titan-ckpt verify " + str(self.folder) + "` checks them again"
+        )
+
+    def _asked_step_failed(self, step: int, path: Path, problem: str) -> str:
+        """`load_step` named a checkpoint that failed: say why, and which one would do."""
+        found = [p for _, p in reversed(layout.committed(self.folder)) if p != path]
+        usable = None
+        for other in found:  # newest first; every byte read: the advice must hold
+            if not _model_only(other) and self._problems(other, read_data=True) is None:
+                usable = other
+                break
+        if usable is not None:
+            usable_step = layout.read_commit(usable)["step"]
+            advice = (
+                f"{usable.name} passes every check (all its bytes against their checksums):"
+                f" resume from it with [checkpoint] load_step = {usable_step}"
+                f" (--checkpoint.load_step {usable_step}), or -1 for the newest usable checkpoint"
+            )
+        else:
+            advice = f"no other checkpoint in {self.folder} passes its checks"
+        return (
+            f"the checkpoint asked for with [checkpoint] load_step = {step} in {self.folder} is"
+            f" not usable:\n  {path.name}: {problem}\n{advice}"
         )
 
     def _candidates(self, step: int) -> list[Path]:
         """Checkpoints to try, best first: full ones newest first, then model-only ones (a seed
         or final export cannot resume a run). Rank 0's view, so that every rank tries the same."""
         found = layout.committed(self.folder)
+        if self.rank == 0:
+            for _, path in layout.unmarked(self.folder):
+                log.warning(
+                    "%s is not loaded: %s",
+                    path,
+                    layout.UNMARKED.format(marker=layout.COMMIT_FILE),
+                )
         if step != -1:
             chosen = [path for s, path in found if s == step]
             if not chosen:
                 have = ", ".join(str(s) for s, _ in layout.list_checkpoints(self.folder)) or "none"
-                raise FileNotFoundError(
-                    f"no complete checkpoint for step {step} in {self.folder} (complete steps: {have})"
+                unmarked = [p for s, p in layout.unmarked(self.folder) if s == step]
+                why = (
+                    f"\n{unmarked[0].name} {layout.UNMARKED.format(marker=layout.COMMIT_FILE)}"
+                    if unmarked
+                    else ""
+                )
+                raise CheckpointNotFoundError(
+                    f"no complete checkpoint for step {step} in {self.folder} (complete steps:"
+                    f" {have}), asked for with [checkpoint] load_step = {step}{why}\nset"
+                    " load_step to one of those steps, or -1 for the newest usable checkpoint"
                 )
         else:
             full = [path for _, path in reversed(found) if not _model_only(path)]
@@ -420,10 +510,12 @@ class CheckpointManager:
             log.info("resuming from the newest complete checkpoint: %s", chosen[0])
         return chosen
 
-    def _problems(self, path: Path) -> str | None:
-        """Why `path` cannot be loaded, or None (see `checkpoint_problems`); the data files'
-        checksums are shared between the ranks, and every rank gets the whole answer."""
-        local = checkpoint_problems(path, self.rank, self.world_size)
+    def _problems(self, path: Path, *, read_data: bool = False) -> str | None:
+        """Why `path` cannot be loaded, or None (see `checkpoint_problems`). The data files'
+        bytes are checked while they are read (`_read`), or here with `read_data` (and for
+        markers of earlier versions); the files are shared between the ranks, and every rank
+        gets the whole answer."""
+        local = checkpoint_problems(path, self.rank, self.world_size, read_data=read_data)
         if not local and self.rank == 0 and layout.read_commit(path).get("files") is None:
             log.warning(
                 "checkpoint %s records no checksums (saved by titan-ckpt 0.1.0 or another tool): "
@@ -440,8 +532,11 @@ class CheckpointManager:
         start = time.perf_counter()
         try:
             self._read(request, path)
-        except Exception as e:  # noqa: BLE001 - the caller falls back to an older checkpoint
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - falls back to an older one
             touched.update(name for name in request if name in ("model", "optimizer"))
+            corrupt = corrupt_data(e)
+            if corrupt is not None:  # found by the checksums while reading
+                raise _Unusable(corrupt) from e
             reason = failure_reason(e) or first_line(e)
             raise _Unusable(f"reading it failed: {reason}") from e
         bad = self._loaded_nonfinite(request)
@@ -507,7 +602,9 @@ class CheckpointManager:
         try:
             dcp.load(
                 request,
-                storage_reader=SafeFileSystemReader(str(path)),
+                storage_reader=SafeFileSystemReader(
+                    str(path), checksums=checksums_to_check_while_reading(path)
+                ),
                 planner=SafeLoadPlanner(),
                 no_dist=not self._dist,
             )
@@ -533,8 +630,10 @@ class CheckpointManager:
             log.info("initialised the model from Hugging Face weights in %s", path)
             return 0
         if not layout.is_complete(path):
-            raise FileNotFoundError(
-                f"[checkpoint] initial_load_path = {str(path)!r} is not a complete checkpoint folder"
+            raise CheckpointNotFoundError(
+                f"[checkpoint] initial_load_path = {str(path)!r} is not a complete checkpoint"
+                f" folder (one holding {layout.COMMIT_FILE} and .metadata)\npoint it at a"
+                " step-<N> folder of a run, or at the output of `titan-ckpt convert hf-to-dcp`"
             )
         problem = self._problems(path)
         if problem is not None:
@@ -546,7 +645,13 @@ class CheckpointManager:
         request, _ = self._request(keys, record)
         if cfg.initial_load_model_only:
             request = {"model": request["model"]}
-        self._read(request, path)
+        try:
+            self._read(request, path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with the path
+            reason = corrupt_data(e) or failure_reason(e) or first_line(e)
+            raise CheckpointLoadError(
+                f"[checkpoint] initial_load_path = {str(path)!r} is not usable: {reason}"
+            ) from e
         bad = self._loaded_nonfinite(request)
         if bad:
             raise CheckpointLoadError(
@@ -589,6 +694,13 @@ class CheckpointManager:
         return merged
 
 
+def _has_cpu_backend() -> bool:
+    """Whether the default process group carries a backend for CPU tensors (gloo beside NCCL,
+    `cuda:nccl,cpu:gloo`, as titan-core's `init_distributed` makes it)."""
+    group = dist.distributed_c10d._get_default_group()
+    return torch.device("cpu") in getattr(group, "_device_types", ())
+
+
 class _Unusable(Exception):
     """A checkpoint that passed its file checks but could not be restored."""
 
@@ -602,3 +714,13 @@ def _model_only(path: Path) -> bool:
 
 def _states_of(path: Path) -> list[str]:
     return list(layout.read_commit(path).get("states", []))
+
+
+def _size_of(path: Path) -> str:
+    """A checkpoint's size from its marker, in MiB or GiB ("an unknown size" without sums)."""
+    try:
+        files = layout.read_commit(path).get("files") or {}
+        size = sum(int(entry["bytes"]) for entry in files.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "an unknown size"
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"

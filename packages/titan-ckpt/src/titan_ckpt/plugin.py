@@ -8,7 +8,7 @@ from typing import Any
 
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.manager import CheckpointManager
-from titan_ckpt.preflight import check_loadable
+from titan_ckpt.preflight import check_loadable, check_space
 from titan_core.protocols import Checkpointer, HFAdapter
 
 
@@ -47,6 +47,8 @@ def build_checkpointer(
     )
 
 
-# The trainer's dry run asks the factory it resolved whether the checkpoint a job would resume
-# from fits the job's model (see `titan_core.protocols.Checkpointer`).
+# The trainer asks the factory it resolved whether the checkpoint a job would resume from fits
+# the job's model (the dry run), and whether the job's checkpoints fit on their disk (before
+# training); see `titan_core.protocols.Checkpointer`.
 build_checkpointer.check_loadable = check_loadable  # type: ignore[attr-defined]
+build_checkpointer.check_space = check_space  # type: ignore[attr-defined]

@@ -1,14 +1,18 @@
-"""Will this job's checkpoint load into this layout? Checked offline, before the job starts.
+"""Checks of a job's checkpoints made offline, before the job starts.
 
-A dry run knows the global shape of every tensor the job's model will hold (it builds the model
-at full size on fake tensors); the checkpoint's `.metadata` records the global shape of every
-tensor it holds. DCP reshards between any two layouts, so names and global shapes are all that
-must agree.
+`check_loadable`: will the checkpoint the job resumes from load into its layout? A dry run
+knows the global shape of every tensor the job's model will hold (it builds the model at full
+size on fake tensors); the checkpoint's `.metadata` records the global shape of every tensor it
+holds. DCP reshards between any two layouts, so names and global shapes are all that must agree.
+
+`check_space`: will the job's checkpoints fit on the disk of their folder? The caller counts
+the bytes of the saved state from the model's and optimizer's shapes, without memory.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -83,3 +87,66 @@ def _compare(path: Path, expected: Mapping[str, tuple[int, ...]]) -> list[str]:
             + "\nthe flavor or vocabulary differs; use the flavor and tokenizer the checkpoint was trained with"
         )
     return problems
+
+
+def saves_planned(config: Checkpoint, start: int, steps: int) -> int:
+    """How many saves a run from step `start` to `steps` makes (every `interval`, and the last)."""
+    if steps <= start:
+        return 0
+    due = steps // config.interval - start // config.interval
+    return due + (0 if steps % config.interval == 0 else 1)
+
+
+def check_space(
+    config: Checkpoint, dump_folder: str, state_bytes: int, steps: int
+) -> tuple[list[str], str]:
+    """(problems, note): whether the checkpoints of a run that trains to step `steps` fit on
+    the disk of its checkpoint folder, each `state_bytes` (about the model and optimizer state
+    saved, which the caller counts from their shapes). At most keep_latest_k complete ones stay
+    (all with 0), plus the one being written; the ones there already count as taken, and those
+    that pruning will remove as freed."""
+    if not config.enable or state_bytes <= 0:
+        return [], ""
+    folder = checkpoint_folder(config, dump_folder)
+    existing = layout.list_checkpoints(folder)
+    start = existing[-1][0] if existing else 0
+    planned = saves_planned(config, start, steps)
+    if planned == 0:
+        return [], ""
+    k = config.keep_latest_k
+    if k == 0:
+        new = planned
+        kept = "keep_latest_k = 0 keeps every one"
+    else:
+        new = max(1, min(k + 1, len(existing) + planned) - len(existing))
+        kept = f"keep_latest_k = {k} keeps {k}, plus the one being written"
+    needed = new * state_bytes
+    free = shutil.disk_usage(_nearest_existing(folder)).free
+    note = (
+        f"checkpoint: about {_size(state_bytes)} each, {planned} to save; {folder} needs up to"
+        f" {_size(needed)} more ({kept}), {_size(free)} free there"
+    )
+    if needed <= free:
+        return [], note
+    return [
+        f"[checkpoint] the checkpoints will not fit on the disk of {folder}: each holds about"
+        f" {_size(state_bytes)} (model and optimizer state), this run saves {planned} ({kept}),"
+        f" so it needs {_size(needed)} more and the disk has {_size(free)} free\nfree space"
+        " there, lower [checkpoint] keep_latest_k, save less often ([checkpoint] interval), or"
+        " point [checkpoint] folder (or [job] dump_folder) at a bigger disk"
+    ], note
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes / 2**10:,.1f} KiB"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or the nearest of its parents that exists: where the folder will be created."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

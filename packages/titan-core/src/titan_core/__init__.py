@@ -5,6 +5,7 @@ import importlib.metadata
 
 from titan_core.config import (
     ConfigError,
+    allow_nonfinite,
     config_to_dict,
     field_docs,
     iter_options,
@@ -50,6 +51,7 @@ from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
     GLOBAL_STATE,
     Checkpointer,
+    CheckpointError,
     Converter,
     DataSpec,
     ExpertSplit,
@@ -63,13 +65,14 @@ from titan_core.protocols import (
     Tokenizer,
     TPPlan,
     TPStyle,
+    build_hf_adapter,
     parallelizable_problems,
 )
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 from titan_core.sections import Comm, Job
 from titan_core.seed import set_seed
 
-__version__ = importlib.metadata.version("titan-core")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-core")  # the pyproject's version, one source
 
 __all__ = [
     "DEVICE_MEMORY_GIB",
@@ -80,7 +83,9 @@ __all__ = [
     "PEAK_TFLOPS",
     "Checkpointer",
     "Comm",
+    "CheckpointError",
     "ConfigError",
+    "allow_nonfinite",
     "Converter",
     "OptimizerFactory",
     "CpuBound",
@@ -88,6 +93,7 @@ __all__ = [
     "DistInfo",
     "FolderLock",
     "HFAdapter",
+    "build_hf_adapter",
     "Job",
     "MemoryMonitor",
     "MemoryStats",

@@ -8,7 +8,10 @@ Precedence is CLI > TOML > defaults. Every problem is reported at once, before a
 starts, as a `ConfigError` naming the key, the value, what is allowed and, where a name is
 close, what the user probably meant.
 
-A field's docstring (the string literal right under it) is its `--help` text.
+A field's docstring (the string literal right under it) is its `--help` text. A float field
+takes finite numbers only (`nan` and `inf` parse as floats, in TOML and on the command line,
+and would reach the run as a number); a field where inf or nan means something is declared with
+`allow_nonfinite(default)`.
 
 A field typed `list[SomeDataclass]` is a list of tables: TOML's arrays of tables
 (`[[optimizer.param_groups]]`), or on the command line a JSON list of objects
@@ -37,6 +40,15 @@ T = TypeVar("T")
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--config")
 
+_NONFINITE_OK = "titan_allow_nonfinite"
+
+
+def allow_nonfinite(default: Any) -> Any:
+    """A float field (or list of floats) that also takes nan, inf and -inf, for a setting where
+    one of them means something (say inf for "no limit"): `limit: float = allow_nonfinite(inf)`.
+    Every other float field refuses them."""
+    return dataclasses.field(default=default, metadata={_NONFINITE_OK: True})
+
 
 @dataclasses.dataclass(frozen=True)
 class ConfigCompat:
@@ -45,12 +57,15 @@ class ConfigCompat:
     `aliases`: that tool's name -> ours; the value is used as if set under our name.
     `unimplemented`: keys it knows and we do not implement; a file setting them loads, with one
     warning naming them. `renamed`: names it used to have -> what to write now; an error.
+    `values`: for a key, that tool's older names of values -> ours (for a list, of its
+    elements); the value is read as ours, with one notice line.
     All names are dotted (`section.key`).
     """
 
     aliases: typing.Mapping[str, str] = dataclasses.field(default_factory=dict)
     unimplemented: typing.Collection[str] = frozenset()
     renamed: typing.Mapping[str, str] = dataclasses.field(default_factory=dict)
+    values: typing.Mapping[str, typing.Mapping[str, str]] = dataclasses.field(default_factory=dict)
 
 
 class ConfigError(ValueError):
@@ -60,6 +75,11 @@ class ConfigError(ValueError):
     def __init__(self, problems: str | Sequence[str]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__(self.render())
+
+    def __reduce__(self):
+        # Rebuilt from its problems (a worker process sends it back pickled): built from the
+        # rendered text it would be prefixed a second time.
+        return (type(self), (self.problems,))
 
     def render(self) -> str:
         out = []
@@ -161,8 +181,9 @@ class _BadValue(Exception):
     pass
 
 
-def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
-    """Turn a TOML value (typed) or a CLI string into a value of type `tp`, or raise _BadValue."""
+def _coerce(value: Any, tp: Any, from_cli: bool, finite: bool = True) -> Any:
+    """Turn a TOML value (typed) or a CLI string into a value of type `tp`, or raise _BadValue.
+    With `finite`, a float must be finite."""
     tp, optional = _strip_optional(tp)
     if optional and (value is None or (from_cli and value.lower() in ("none", "null"))):
         return None
@@ -186,12 +207,12 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
                     items = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise _BadValue(f"expected a list such as [1, 2] or a,b ({e.msg})") from None
-                return [_coerce(v, inner, False) for v in items]
+                return [_coerce(v, inner, False, finite) for v in items]
             items = [s.strip() for s in text.split(",")] if text else []
-            return [_coerce(v, inner, True) for v in items]
+            return [_coerce(v, inner, True, finite) for v in items]
         if not isinstance(value, list):
             raise _BadValue("expected a list")
-        return [_coerce(v, inner, False) for v in value]
+        return [_coerce(v, inner, False, finite) for v in value]
     if tp is bool:
         if from_cli:
             lowered = value.lower()
@@ -214,12 +235,16 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     if tp is float:
         if from_cli:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise _BadValue("expected a number") from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _BadValue("expected a number")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        else:
+            raise _BadValue("expected a number")
+        if finite and not math.isfinite(number):
+            raise _BadValue("expected a finite number")
+        return number
     if tp is str:
         if from_cli or isinstance(value, str):
             return value
@@ -282,7 +307,8 @@ def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: l
             kwargs[key] = _build_tables(table, item, (*path, key), problems)
             continue
         try:
-            kwargs[key] = _coerce(item.value, tp, item.from_cli)
+            finite = not fields[key].metadata.get(_NONFINITE_OK, False)
+            kwargs[key] = _coerce(item.value, tp, item.from_cli, finite)
         except _BadValue as e:
             shown = json.dumps(item.value) if item.from_cli else _show(item.value)
             reason = (
@@ -357,7 +383,8 @@ def _from_toml(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[str]]:
-    """`--a.b.c VALUE`, `--a.b.c=VALUE`, and bare `--a.b.flag` for a boolean true."""
+    """`--a.b.c VALUE`, `--a.b.c=VALUE`, bare `--a.b.flag` for a boolean true, and
+    `--a.b.no-flag` (or `--a.b.no_flag`, `--no-a.b.flag`) for false."""
     tree: dict[str, Any] = {}
     problems: list[str] = []
     i = 0
@@ -368,7 +395,10 @@ def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[st
             problems.append(f"unexpected argument {arg!r}\noptions look like --section.key VALUE")
             continue
         name, eq, value = arg[2:].partition("=")
-        if not eq:
+        negated = None if eq else _negated_bool(root, name)
+        if negated is not None:
+            name, value = negated, "false"
+        elif not eq:
             takes_value = not _is_bool_field(root, name.split("."))
             if i < len(args) and (takes_value or not args[i].startswith("--")):
                 value = args[i]
@@ -388,6 +418,22 @@ def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[st
         else:
             node[parts[-1]] = _Raw(value, f"--{name}", True)
     return tree, problems
+
+
+def _negated_bool(root: type, name: str) -> str | None:
+    """The boolean option that `section.no-key`, `section.no_key` or `no-section.key` turns
+    off (torchtitan's command line spells false so), or None."""
+    if _is_bool_field(root, name.split(".")):
+        return None
+    head, _, last = name.rpartition(".")
+    for prefix in ("no-", "no_"):
+        candidates = [name.removeprefix(prefix)] if name.startswith(prefix) else []
+        if last.startswith(prefix):
+            candidates.append(f"{head}.{last.removeprefix(prefix)}" if head else "")
+        for candidate in candidates:
+            if candidate and _is_bool_field(root, candidate.split(".")):
+                return candidate
+    return None
 
 
 def _is_bool_field(root: type, parts: list[str]) -> bool:
@@ -490,7 +536,38 @@ def _apply_compat(raw: dict[str, Any], compat: ConfigCompat, problems: list[str]
         get_logger("config").warning(
             "ignoring keys Titan does not implement: %s", ", ".join(ignored)
         )
+    for dotted, renames in compat.values.items():
+        item = _lookup(raw, dotted)
+        if isinstance(item, _Raw):
+            _rename_values(item, dotted, renames)
     return raw
+
+
+def _rename_values(item: _Raw, dotted: str, renames: typing.Mapping[str, str]) -> None:
+    """Read another tool's older value names (`converters = ["float8"]`) as ours, with a
+    notice. A list from the command line (`a,b`) is renamed element by element."""
+    from titan_core.log import get_logger
+
+    value = item.value
+    if item.from_cli and not value.strip().startswith("["):
+        elements = [s.strip() for s in value.split(",")]
+        new: Any = ",".join(renames.get(v, v) for v in elements)
+    elif isinstance(value, list):
+        elements = value
+        new = [renames.get(v, v) if isinstance(v, str) else v for v in value]
+    elif isinstance(value, str):
+        elements, new = [value], renames.get(value, value)
+    else:
+        return
+    for old in sorted({v for v in elements if isinstance(v, str) and v in renames}):
+        get_logger("config").info(
+            "%s = %s (from %s) is an older name; read as %s",
+            _label(dotted),
+            json.dumps(old),
+            item.source,
+            json.dumps(renames[old]),
+        )
+    item.value = new
 
 
 def _label(dotted: str) -> str:
@@ -585,7 +662,8 @@ def render_help(cls: type, prog: str = "titan-train") -> str:
         f"usage: {prog} [--job.config_file FILE.toml] [--section.key VALUE ...]",
         "",
         "Options come from defaults, then the TOML file, then the command line (which wins).",
-        "Booleans: --section.flag (true) or --section.flag false. Lists: a,b,c or [1, 2].",
+        "Booleans: --section.flag (true), --section.no-flag or --section.flag false.",
+        "Lists: a,b,c or [1, 2].",
     ]
     section = None
     for name, tp, default, doc in iter_options(cls):

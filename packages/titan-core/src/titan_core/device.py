@@ -32,6 +32,18 @@ def backend_for(device_type: str) -> str:
         raise ValueError(f"no collective backend known for device type {device_type!r}") from None
 
 
+def process_group_backend(device_type: str) -> str:
+    """The backend of the default process group for `device_type`, as torch's
+    `init_process_group` takes it: gloo on CPU; on an accelerator its own collective backend
+    with gloo beside it for CPU tensors (`cuda:nccl,cpu:gloo`). DCP's async save stages the
+    state in CPU memory and refuses a group without a CPU backend, and collectives of Python
+    objects or CPU tensors need one too; the accelerator's tensors still go through NCCL."""
+    backend = backend_for(device_type)
+    if device_type == "cpu":
+        return backend
+    return f"{device_type}:{backend},cpu:gloo"
+
+
 def local_device(device_type: str) -> torch.device:
     """This process's device: cuda:LOCAL_RANK under torchrun, else the device type itself."""
     if device_type == "cpu":

@@ -10,7 +10,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from titan_core.device import backend_for, local_device
+from titan_core.compat import note_missing
+from titan_core.device import local_device, process_group_backend
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,10 @@ def init_distributed(
 
     Under torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) this joins the job. Started as a plain
     `python` process, it creates a one-process group over an in-memory store, so that code
-    written for meshes and DTensors runs unchanged on one process.
+    written for meshes and DTensors runs unchanged on one process. Either way the group is
+    `process_group_backend(device_type)`: on an accelerator, gloo serves CPU tensors beside
+    its own backend (`cuda:nccl,cpu:gloo`), which DCP's async save needs. A group that exists
+    already (made by the caller) is used as it is.
 
     `timeout_seconds` bounds every collective until `set_collective_timeout` changes it.
     `trace_buf_size` sizes PyTorch's flight recorder (the last N collectives of every group,
@@ -50,7 +54,14 @@ def init_distributed(
         if trace_dir is not None and trace_buf_size > 0:
             _set_env_default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
             _set_env_default("TORCH_FR_DUMP_TEMP_FILE", os.path.join(str(trace_dir), "rank_"))
-    backend = backend_for(device_type)
+    backend = process_group_backend(device_type)
+    for name in dict.fromkeys(part.split(":")[-1] for part in backend.split(",")):
+        if not dist.is_backend_available(name):
+            raise RuntimeError(
+                f"a process group on {device_type} needs the {name} backend ({backend}), and"
+                f" this torch build ({torch.__version__}) has none\nuse a torch build with"
+                f" {name}, or another --job.device"
+            )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = local_device(device_type)
@@ -81,8 +92,20 @@ def set_collective_timeout(seconds: float) -> int:
         return 0
     timeout = timedelta(seconds=seconds)
     groups = list(dist.distributed_c10d._world.pg_map)
+    set_timeout = getattr(dist, "set_timeout", None)
+    if set_timeout is None:  # older torch (2.11): the same call under a private name
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is None:
+            note_missing(
+                "torch.distributed.set_timeout",
+                "collectives keep the timeout the process groups were created with"
+                " ([comm] init_timeout_seconds)",
+                off=True,
+            )
+            return 0
+        note_missing("torch.distributed.set_timeout", "using its older _set_pg_timeout")
     for group in groups:
-        dist.set_timeout(timeout, group)
+        set_timeout(timeout, group)
     return len(groups)
 
 
@@ -93,7 +116,7 @@ def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> str | None:
     None when there is nothing to write."""
     if not dist.is_initialized():
         return None
-    backend = str(dist.get_backend()).split(":")[-1]
+    backend = device_backend_name()
     try:
         trace = torch._C._distributed_c10d._dump_fr_trace(True, True, False, backend)
     except (AttributeError, RuntimeError, TypeError):
@@ -105,6 +128,13 @@ def dump_flight_recorder(folder: str | os.PathLike, rank: int) -> str | None:
     with open(path, "wb") as f:
         f.write(_with_group_config(trace))
     return path
+
+
+def device_backend_name(group: dist.ProcessGroup | None = None) -> str:
+    """The backend that carries the device's collectives in `group` (default: the default
+    group): `nccl` for a `cuda:nccl,cpu:gloo` group, `gloo` for a CPU one."""
+    spec = str(dist.get_backend(group))
+    return spec.split(",")[0].split(":")[-1]
 
 
 def _with_group_config(trace: bytes) -> bytes:

@@ -10,6 +10,7 @@ without inheriting from anything of ours.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -181,6 +182,30 @@ class ModelSpec:
     """`hf_adapter(args)` converts the weights of a model built from `args`; a trainer also
     passes `bos_token_id=` and `eos_token_id=` (the tokenizer's, for the config.json it
     writes) when the callable takes them."""
+    block_causal_check: Callable[[torch.device], list[str]] | None = None
+    """For a family whose forward takes `document_ids`: computes its block-causal attention on
+    a device as the model does there and compares it with a reference, returning one line per
+    disagreement. A trainer runs it before training with block-causal attention and refuses a
+    device where it fails (titan-models: `titan_models.attention.check_block_causal`)."""
+
+
+def build_hf_adapter(
+    spec: ModelSpec, args: Any, *, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> HFAdapter:
+    """`spec.hf_adapter(args)`, given the tokenizer's BOS and EOS ids where the family's adapter
+    takes them (titan-models' do): a `config.json` without them leaves generation without an
+    end."""
+    factory = spec.hf_adapter
+    if factory is None:
+        raise ValueError(f"model {spec.name!r} has no Hugging Face adapter")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no keywords known
+        params = {}
+    open_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    kwargs = {k: v for k, v in ids.items() if v is not None and (k in params or open_keywords)}
+    return factory(args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- data
@@ -240,6 +265,11 @@ class DataSpec:
     """Optional: resolve a dataset name and path without reading it (no download) and return
     a one-line description, or raise ValueError/FileNotFoundError saying what is wrong. Lets
     a trainer reject a bad dataset before it starts any process."""
+    check_dataset: Callable[[str, str | None], None] | None = None
+    """Optional: open the dataset and read its first document (a hub dataset's first shard),
+    raising an error whose message names the dataset, why it cannot be read (no network, no
+    token, not in the cache, ...) and how to fix it. A trainer calls it once per job before
+    any process group exists."""
 
 
 # ----------------------------------------------------------------------------- converters
@@ -286,6 +316,12 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+class CheckpointError(RuntimeError):
+    """A checkpointer's refusal that the user can act on: a save that failed (a full disk), no
+    usable checkpoint to resume from. Its message names the checkpoint, the reason and the
+    fix; the trainer prints it as it is, without a traceback."""
+
+
 @runtime_checkable
 class Checkpointer(Protocol):
     """Saves and restores the training state. Registered under `titan.checkpointers`.
@@ -309,4 +345,7 @@ class Checkpointer(Protocol):
 # A checkpointer factory (what the `titan.checkpointers` entry point names) may also carry a
 # `check_loadable(config, dump_folder, expected)` attribute: given the global shape of every
 # model tensor by name, it returns (problems, note) about the checkpoint a run would resume
-# from, without loading it. The trainer's dry run calls it when it is there.
+# from, without loading it. The trainer's dry run calls it when it is there. Likewise
+# `check_space(config, dump_folder, state_bytes, steps)`: whether the checkpoints of a run
+# whose saved state takes `state_bytes` and that trains to step `steps` fit on the disk of
+# their folder, (problems, note); the trainer calls it before training.

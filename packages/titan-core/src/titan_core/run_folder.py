@@ -11,7 +11,8 @@ holder on this host whose process is gone is stale and taken over; a holder on a
 refused, with the command that removes its lock.
 
 `check_writable` creates the folder if needed and writes and removes a small file in it, so a
-read-only or full folder is reported at start-up with the system's reason, not at the first save.
+read-only or full folder is reported at start-up with the system's reason, not at the first save,
+and a path that is a file (or a link to one) is called that, with the fix.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -181,21 +183,35 @@ class FolderLock:
         self.release()
 
 
-def check_writable(folder: str | Path, *, purpose: str = "folder") -> None:
+def check_writable(
+    folder: str | Path, *, purpose: str = "folder", hint: str = "point the run at another folder"
+) -> None:
     """Create `folder` if needed and write, sync and remove a small file in it; raise
-    RunFolderError with the system's reason ("Read-only file system", "Permission denied",
-    "No space left on device") when that fails."""
+    RunFolderError naming the problem and the fix: a path that is a file (or a link to one) and
+    not a folder, a parent that is a file or cannot be written, or the system's reason for a
+    failed write ("Read-only file system", "Permission denied", "No space left on device").
+    `hint` is the last fix offered (where else to point the run). Nothing is left behind."""
     folder = Path(folder)
-    probe = folder / f".titan-write-test-{socket.gethostname()}-{os.getpid()}"
+    problem = _not_a_folder(folder)
+    if problem:
+        raise RunFolderError(f"the {purpose} {folder} {problem}\nmove it away, or {hint}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parent = _nearest_existing(folder)
+        raise RunFolderError(
+            f"the {purpose} {folder} cannot be created in {parent}: {e.strerror or e}"
+            f"\nmake {parent} writable, or {hint}"
+        ) from e
+    probe = folder / f".titan-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
         with open(probe, "wb") as f:
             f.write(b"\0" * 4096)
             f.flush()
             os.fsync(f.fileno())
-        probe.unlink()
     except OSError as e:
         reason = e.strerror or str(e)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         raise RunFolderError(
             f"the {purpose} {folder} is not writable: {reason}"
             + (
@@ -203,5 +219,48 @@ def check_writable(folder: str | Path, *, purpose: str = "folder") -> None:
                 if str(e.filename) not in (str(folder), str(probe), "None")
                 else ""
             )
-            + "\nmake it writable, free space on its disk, or point the run at another folder"
+            + ("\nits disk is full: free space there, or " if full else "\nmake it writable, or ")
+            + hint
         ) from e
+    finally:
+        with contextlib.suppress(OSError):  # also after a failed write: leave nothing behind
+            probe.unlink()
+
+
+def _not_a_folder(path: Path) -> str | None:
+    """Why `path` (or the parent it would be created in) cannot be a folder, or None."""
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.exists():
+            return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+        if not target.is_dir():
+            return f"is a symbolic link to {target}, {_kind(target)}, not a folder"
+        return None
+    if path.exists():
+        return None if path.is_dir() else f"is {_kind(path)}, not a folder"
+    parent = _nearest_existing(path)
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is {_kind(parent)}, not a folder"
+    return None
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a folder"
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists (links followed)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

@@ -6,7 +6,7 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING
 
-__version__ = importlib.metadata.version("titan-data")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-data")  # the pyproject's version, one source
 
 # The public API, by the module that defines it. Imported on first use, so that the
 # `titan-data` command (titan_data.cli) starts without torch and `datasets`, which take seconds.
@@ -17,6 +17,7 @@ _EXPORTS = {
     "HUB_DATASETS": "titan_data.sources",
     "Layout": "titan_data.order",
     "Llama3Tokenizer": "titan_data.llama3_tokenizer",
+    "MissingTextField": "titan_data.errors",
     "Source": "titan_data.sources",
     "TitanDataLoader": "titan_data.loader",
     "TokenShards": "titan_data.token_shards",
@@ -36,6 +37,7 @@ __all__ = [
     "DataError",
     "Layout",
     "Llama3Tokenizer",
+    "MissingTextField",
     "Source",
     "TitanDataLoader",
     "TokenShards",
@@ -65,7 +67,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from titan_data.byte_tokenizer import ByteTokenizer
-    from titan_data.errors import DataError
+    from titan_data.errors import DataError, MissingTextField
     from titan_data.hf_tokenizer import HFTokenizer
     from titan_data.llama3_tokenizer import Llama3Tokenizer
     from titan_data.loader import TitanDataLoader, build_dataloader

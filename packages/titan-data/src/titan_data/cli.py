@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from titan_data.errors import DataError
+from titan_data.errors import DataError, MissingTextField
 
 
 def _workers_default() -> int:
@@ -16,7 +16,9 @@ def _workers_default() -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="titan-data", description=__doc__.split("\n")[0])
+    # The module docstring's first paragraph, whole: argparse rewraps it.
+    about = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(prog="titan-data", description=about)
     commands = parser.add_subparsers(dest="command", required=True)
     tok = commands.add_parser(
         "tokenize",
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             return _tokenize(args)
         return _info(args.folder)
     except (DataError, ValueError, FileNotFoundError) as e:
+        if isinstance(e, MissingTextField):
+            e = e.for_option("--text-field")
         print(f"titan-data: error: {e}", file=sys.stderr)
         return 2
 

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from titan_data.errors import SKIP_HINT, DataError
-from titan_data.sources import Source, load_source
+from titan_data.sources import Source, check_source, load_source
 from titan_data.token_shards import (
     FORMAT,
     MANIFEST,
@@ -65,6 +65,7 @@ def tokenize_source(
     source = load_source(dataset, dataset_path, text_field)
     if not isinstance(source, Source):
         raise ValueError(f"dataset {dataset} is already a folder of tokens")
+    check_source(source)  # an empty source, or a text field its rows lack
     _TOKENIZER = load_tokenizer(tokenizer)
     manifest = _start_manifest(source, dataset, dataset_path, text_field, tokenizer, shard_tokens)
     if os.path.exists(os.path.join(out, MANIFEST)):
@@ -100,6 +101,8 @@ def tokenize_source(
                 return manifest
         writer.finish((reader.state_dict(), counter.skipped))
     finally:
+        # The last shard closes after the last batch: the bar ends with the final count.
+        bar.set_postfix_str(f"{writer.tokens:,} tokens, {len(manifest['shards'])} shards")
         bar.close()
         if pool is not None:
             pool.terminate()

@@ -22,7 +22,7 @@ def llama3_package_asset() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "tokenizer `llama3` needs the llama-models package, which is not installed; "
-            "run `pip install titan-data[llama]` or pass a path to tokenizer.model"
+            "run `pip install titan-llm-data[llama]` or pass a path to tokenizer.model"
         )
     for root in spec.submodule_search_locations:
         path = os.path.join(root, "llama3", "tokenizer.model")
@@ -30,7 +30,7 @@ def llama3_package_asset() -> str:
             return path
     raise FileNotFoundError(
         f"the installed llama-models package ({', '.join(spec.submodule_search_locations)}) "
-        "has no llama3/tokenizer.model; reinstall it with `pip install titan-data[llama]` "
+        "has no llama3/tokenizer.model; reinstall it with `pip install titan-llm-data[llama]` "
         "or pass a path to tokenizer.model"
     )
 

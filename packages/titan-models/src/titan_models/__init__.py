@@ -2,7 +2,10 @@
 
 import importlib.metadata
 
+from titan_models.attention import GroupedQueryAttention
+from titan_models.decoder import Decoder, DecoderBlock
 from titan_models.generation import KVCache, Sampling, generate, next_token
+from titan_models.hf_adapter import DecoderHFAdapter
 from titan_models.llama3 import (
     LlamaArgs,
     LlamaHFAdapter,
@@ -14,9 +17,13 @@ from titan_models.llama3 import (
     llama_param_count,
 )
 
-__version__ = importlib.metadata.version("titan-models")  # the pyproject's version, one source
+__version__ = importlib.metadata.version("titan-llm-models")  # the pyproject's version, one source
 
 __all__ = [
+    "Decoder",
+    "DecoderBlock",
+    "DecoderHFAdapter",
+    "GroupedQueryAttention",
     "KVCache",
     "Sampling",
     "generate",

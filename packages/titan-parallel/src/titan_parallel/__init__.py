@@ -76,7 +76,9 @@ from titan_parallel.sharded_stats import reduce_sums, row_sums_groups, total_sum
 from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, copy_block_inputs, loss_context
 from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
 
-__version__ = importlib.metadata.version("titan-parallel")  # the pyproject's version, one source
+__version__ = importlib.metadata.version(
+    "titan-llm-parallel"
+)  # the pyproject's version, one source
 
 __all__ = [
     "FaultToleranceConfig",

@@ -42,7 +42,7 @@ __all__ = [
     "enable_cpu_ring_attention",
 ]
 
-SUPPORTED_TORCH = ((2, 13), (2, 15))
+SUPPORTED_TORCH = ((2, 11), (2, 15))
 """Oldest and newest torch (major, minor) whose context-parallel internals this module was
 checked against; context parallel refuses to run outside them (see `check_cp_support`)."""
 

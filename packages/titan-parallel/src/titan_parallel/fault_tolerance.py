@@ -1,5 +1,5 @@
 """Fault-tolerant data parallelism across replica groups with TorchFT (`pip install
-'titan-parallel[ft]'`).
+'titan-llm-parallel[ft]'`).
 
 A job is split into replica groups: each group is an ordinary job of its own (FSDP, TP, ... inside
 it) with its own torchrun and its own TCP store, and the groups train the same model on different
@@ -39,7 +39,7 @@ from titan_core import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_INSTALL = "pip install 'titan-parallel[ft]'"
+_INSTALL = "pip install 'titan-llm-parallel[ft]'"
 
 
 @dataclass

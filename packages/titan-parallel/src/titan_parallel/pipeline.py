@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from titan_core.compat import accepts, note_missing
 from titan_core.config import ConfigError
 from titan_parallel.pipeline_split import (
     build_stage_modules,
@@ -194,14 +195,39 @@ def _stage_kwargs(io: StageIO | None, stage_id: int, num_stages: int) -> dict:
     if io is None:
         return {}
     first, last = stage_id == 0, stage_id == num_stages - 1
-    return dict(
+    kwargs = dict(
         input_args=io.first_input if first else io.hidden,
         output_args=io.last_output if last else io.hidden,
+    )
+    if not accepts(PipelineStage.__init__, "output_grads"):
+        note_missing(
+            "PipelineStage(input_grads=, output_grads=)",
+            "pipeline stages take their gradients' shapes from their inputs and outputs",
+        )
+        return kwargs
+    return dict(
+        kwargs,
         input_grads=None if first else io.hidden,
         # The last stage's output gradient comes from its own loss, never from a peer; torch
         # still wants its shape when the output is a DTensor (loss parallel).
         output_grads=io.last_output if last else io.hidden,
     )
+
+
+def _skip_warmup_with_itself(stage: PipelineStage, pp_rank: int) -> None:
+    """torch 2.11's schedules open the links between stages with a send and a receive to each
+    neighbouring stage, even one on the same rank (the V schedules, ZBVZeroBubble and
+    DualPipeV, keep two neighbouring stages on one rank); gloo cannot send to itself ("Pair is
+    not connected"), and neighbours on one rank exchange nothing through the group anyway.
+    Newer torch has no such warm-up; where it does, only the ops with other ranks are kept."""
+    warmup = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warmup is None:
+        return
+
+    def with_other_ranks() -> list:
+        return [op for op in warmup() if op.group_peer != pp_rank]
+
+    stage._get_init_p2p_neighbors_ops = with_other_ranks
 
 
 def pipeline_stage_ids(
@@ -481,6 +507,8 @@ def build_pipeline(
         )
         for part, sid in zip(parts, stage_ids)
     ]
+    for stage in stages:
+        _skip_warmup_with_itself(stage, pp_rank)
     scaled = _MicrobatchLoss(loss_fn, n_microbatches)
 
     if csv_path is not None:

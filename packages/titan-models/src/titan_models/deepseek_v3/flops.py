@@ -24,17 +24,12 @@ def _attention_norms(a: DeepSeekV3Args) -> int:
     return a.kv_lora_rank + a.q_lora_rank
 
 
-def _moe_params(a: DeepSeekV3Args, *, active: bool) -> int:
-    moe = a.moe
-    experts = moe.top_k if active else moe.num_experts
-    shared = 3 * a.dim * moe.hidden_dim * moe.num_shared_experts
-    return a.dim * moe.num_experts + 3 * a.dim * moe.hidden_dim * experts + shared
-
-
 def _ffn_params(a: DeepSeekV3Args, *, active: bool) -> int:
     """Feed-forward weights of all blocks together."""
     dense = (a.n_layers - a.n_moe_layers) * 3 * a.dim * a.hidden_dim
-    return dense + (a.n_moe_layers * _moe_params(a, active=active) if a.n_moe_layers else 0)
+    if not a.n_moe_layers:
+        return dense
+    return dense + a.n_moe_layers * a.moe.param_count(a.dim, active=active)
 
 
 def deepseek_v3_param_count(args: DeepSeekV3Args, *, active: bool = False) -> int:

@@ -1,9 +1,7 @@
-"""DeepSeek-V3, written like titan-models' Llama 3.1 and Qwen3 (see Llama's module docstring
-for the structure, the pipeline hooks and the initialisation as data).
-
-Each block is RMSNorm -> multi-head latent attention -> residual, RMSNorm -> feed-forward ->
-residual; the feed-forward (`feed_forward`) is a dense SwiGLU in the first `n_dense_layers`
-blocks and `titan_models.moe.MoE` (routed plus shared experts) in the others.
+"""DeepSeek-V3: the shared decoder (`titan_models.decoder`, which documents the structure, the
+pipeline hooks and the initialisation) with multi-head latent attention; the feed-forward
+(`feed_forward`) is a dense SwiGLU in the first `n_dense_layers` blocks and
+`titan_models.moe.MoE` (routed plus shared experts) in the others.
 
 Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1), in training form:
 - queries: `wq` (dim -> heads x qk_head_dim), or with `q_lora_rank` the low-rank
@@ -21,65 +19,25 @@ head's full keys and values (`titan_models.generation.KVCache`), not the compres
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titan_core.init import ParamInit
-from titan_core.protocols import TPPlan
+from titan_core.protocols import TPStyle
+from titan_models.decoder import Decoder
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.flops import deepseek_v3_flops_per_token
 from titan_models.deepseek_v3.rope import build_rope_cache, softmax_scale
 from titan_models.generation import KVCache, LayerCache, causal_mask
-from titan_models.llama3.rope import apply_rope
-from titan_models.moe import MoE, SwiGLU
-from titan_models.weights import init_by_plan_
+from titan_models.moe import MoEArgs
+from titan_models.rope import apply_rope
 
-BASE_STD = 0.02
-_DENSE_FFN_PLAN = {
-    "feed_forward": "block_input",
-    "feed_forward.w1": "colwise",
-    "feed_forward.w3": "colwise",
-    "feed_forward.w2": "rowwise",
-}
 LATENT_NORM_EPS = 1e-6  # q_norm and kv_norm, as in DeepSeek's and Hugging Face's code
 
 
-def _query_names(args: DeepSeekV3Args) -> list[str]:
-    return ["wq_a", "wq_b"] if args.q_lora_rank else ["wq"]
-
-
-def block_init_plan(layer_id: int, args: DeepSeekV3Args) -> dict[str, ParamInit]:
-    """How block `layer_id`'s parameters start, by name relative to the block."""
-    depth = layer_id + 1 if args.depth_init else args.n_layers
-    out_std = BASE_STD / math.sqrt(2 * depth)  # wo and w2 write into the residual stream
-    norms = ["attention_norm", "ffn_norm", "attention.kv_norm"]
-    if args.q_lora_rank:
-        norms.append("attention.q_norm")
-    plan = {f"{n}.weight": ParamInit("constant", value=1.0) for n in norms}
-    for name in [*_query_names(args), "wkv_a", "wk_rope", "wkv_b"]:
-        plan[f"attention.{name}.weight"] = ParamInit.truncated(BASE_STD)
-    plan["attention.wo.weight"] = ParamInit.truncated(out_std)
-    if not args.is_moe_layer(layer_id):
-        plan["feed_forward.w1.weight"] = ParamInit.truncated(BASE_STD)
-        plan["feed_forward.w3.weight"] = ParamInit.truncated(BASE_STD)
-        plan["feed_forward.w2.weight"] = ParamInit.truncated(out_std)
-        return plan
-    names = ["router.gate.weight", "experts.w1", "experts.w3"]
-    outs = ["experts.w2"]
-    if args.moe.num_shared_experts:
-        names += ["shared_experts.w1.weight", "shared_experts.w3.weight"]
-        outs += ["shared_experts.w2.weight"]
-    plan |= {f"feed_forward.{n}": ParamInit.truncated(BASE_STD) for n in names}
-    plan |= {f"feed_forward.{n}": ParamInit.truncated(out_std) for n in outs}
-    # A buffer, but state (saved, loaded with the weights): unbiased routing to start with.
-    return plan | {"feed_forward.expert_bias": ParamInit("constant", value=0.0)}
-
-
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, args: DeepSeekV3Args):
+    def __init__(self, layer_id: int, args: DeepSeekV3Args):
         super().__init__()
         self.args = args
         self.scale = softmax_scale(args)
@@ -97,6 +55,30 @@ class MultiHeadLatentAttention(nn.Module):
             args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False
         )
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+
+    @classmethod
+    def init_plan(cls, args: DeepSeekV3Args, std: float, out_std: float) -> dict[str, ParamInit]:
+        """How the parameters start, by name relative to the attention: the latent norms at 1,
+        `out_std` for `wo` (it writes into the residual stream), `std` for the projections."""
+        norms = ["kv_norm", "q_norm"] if args.q_lora_rank else ["kv_norm"]
+        plan = {f"{n}.weight": ParamInit("constant", value=1.0) for n in norms}
+        queries = ["wq_a", "wq_b"] if args.q_lora_rank else ["wq"]
+        for name in [*queries, "wkv_a", "wk_rope", "wkv_b"]:
+            plan[f"{name}.weight"] = ParamInit.truncated(std)
+        return plan | {"wo.weight": ParamInit.truncated(out_std)}
+
+    @classmethod
+    def tp_plan(cls, args: DeepSeekV3Args) -> dict[str, TPStyle]:
+        """The per-head projections (wq or wq_b, wkv_b) split by heads, wo by its input; the
+        latent projections and their norms (small, shared by all heads) stay whole on every
+        rank, and so does the rotary key, whose gradient (each rank's from its own heads) is
+        summed over the ranks (`head_shared`)."""
+        query = "wq_b" if args.q_lora_rank else "wq"
+        return {query: "colwise", "wkv_b": "colwise", "wk_rope": "head_shared", "wo": "rowwise"}
+
+    @classmethod
+    def divisible_by_tp(cls, args: DeepSeekV3Args) -> dict[str, int]:
+        return {"n_heads": args.n_heads}
 
     def forward(
         self,
@@ -139,144 +121,23 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, args: DeepSeekV3Args):
-        super().__init__()
-        self.layer_id = layer_id
-        self.args = args
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = MultiHeadLatentAttention(args)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = (
-            MoE(args.dim, args.moe)
-            if args.is_moe_layer(layer_id)
-            else SwiGLU(args.dim, args.hidden_dim)
-        )
+class DeepSeekV3Transformer(Decoder):
+    """DeepSeek-V3 decoder (see `Decoder`: built on meta, then `to_empty` and `init_weights`),
+    including generation with `kv_cache=`."""
 
-    def init_plan(self) -> dict[str, ParamInit]:
-        return block_init_plan(self.layer_id, self.args)
+    args: DeepSeekV3Args
+    attention_class = MultiHeadLatentAttention
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope_cache: torch.Tensor,
-        kv_cache: LayerCache | None = None,
-        start: int = 0,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, kv_cache, start)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def position_tables(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        return {"rope_cache": build_rope_cache(self.args, device)}
 
-
-class DeepSeekV3Transformer(nn.Module):
-    """DeepSeek-V3 decoder; satisfies `titan_core.protocols.ParallelizableModel` like
-    titan-models' Llama `Transformer` (same attribute names, pipeline hooks and
-    initialisation), including generation with `kv_cache=`."""
-
-    pre_blocks = ("tok_embeddings",)
-    post_blocks = ("norm", "output")
-
-    def __init__(self, args: DeepSeekV3Args):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
-        )
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self._tie_weights()
-        self.register_buffer("rope_cache", build_rope_cache(args), persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)  # re-tie after every conversion (see Llama's Transformer)
-        self._tie_weights()
-        return self
-
-    def _tie_weights(self) -> None:
-        if not self.args.tie_word_embeddings or self.tok_embeddings is None or self.output is None:
-            return
-        if self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight
-
-    def init_plan(self) -> dict[str, ParamInit]:
-        plan: dict[str, ParamInit] = {}
-        for i in range(self.args.n_layers):
-            plan.update({f"layers.{i}.{n}": p for n, p in block_init_plan(i, self.args).items()})
-        plan["norm.weight"] = ParamInit("constant", value=1.0)
-        if self.args.tie_word_embeddings:
-            shared = ParamInit.truncated(self.args.dim**-0.5, key="output.weight")
-            plan["tok_embeddings.weight"] = plan["output.weight"] = shared
-        else:
-            plan["tok_embeddings.weight"] = ParamInit("normal", std=1.0)
-            plan["output.weight"] = ParamInit.truncated(self.args.dim**-0.5)
-        return plan
-
-    def _moe_layers(self) -> list[MoE]:
-        return [b.feed_forward for b in self.layers.values() if isinstance(b.feed_forward, MoE)]
-
-    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
-        device = buffer_device if buffer_device is not None else self.rope_cache.device
-        self.rope_cache = build_rope_cache(self.args, device)
-        for moe in self._moe_layers():  # load counts since the last bias update: none yet
-            moe.tokens_per_expert = torch.zeros_like(moe.tokens_per_expert, device=device)
-            # State, not a table: its values (from init_plan or a checkpoint) are kept.
-            moe.expert_bias = moe.expert_bias.to(device)
-
-    def init_weights(
-        self, buffer_device: torch.device | None = None, *, seed: int | None = None
-    ) -> None:
-        self.init_buffers(buffer_device)
-        init_by_plan_(self, seed)
+    def moe_args(self, layer_id: int) -> MoEArgs | None:
+        return self.args.moe if self.args.is_moe_layer(layer_id) else None
 
     def forward(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Logits of every position of `tokens`; with `kv_cache`, the tokens continue the
-        positions the cache holds (see `titan_models.generation`)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if kv_cache is None:
-            for block in self.layers.values():
-                h = block(h, self.rope_cache)
-        else:
-            start, seq_len = kv_cache.pos, tokens.shape[1]
-            kv_cache.check_room(seq_len)
-            rope = self.rope_cache[start : start + seq_len]
-            for name, block in self.layers.items():
-                h = block(h, rope, kv_cache.layer(name), start)
-            kv_cache.pos += seq_len
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
-
-    def tp_plan(self) -> TPPlan:
-        """MLA: the per-head projections (wq or wq_b, wkv_b) split by heads, wo by its input;
-        the latent projections and their norms (small, shared by all heads) stay whole on
-        every rank, and so does the rotary key, whose gradient (each rank's from its own
-        heads) is summed over the ranks (`head_shared`). The dense feed-forward as Llama's, in the dense blocks (`blocks` when
-        the others have experts); a MoE layer is split by its own plan, not by this one."""
-        query = "attention.wq_b" if self.args.q_lora_rank else "attention.wq"
-        block = {
-            "attention_norm": "sequence_parallel",
-            "attention": "block_input",
-            query: "colwise",
-            "attention.wkv_b": "colwise",
-            "attention.wk_rope": "head_shared",
-            "attention.wo": "rowwise",
-            "ffn_norm": "sequence_parallel",
-        }
-        dense = block | _DENSE_FFN_PLAN
-        moe_blocks = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
-        return TPPlan(
-            root={"tok_embeddings": "embedding", "norm": "sequence_parallel", "output": "output"},
-            block=block if moe_blocks else dense,
-            blocks={
-                str(i): dense
-                for i in range(self.args.n_layers)
-                if moe_blocks and i not in moe_blocks
-            },
-            divisible_by_tp={"n_heads": self.args.n_heads},
-        )
-
-    def cp_buffers(self) -> dict[str, int]:
-        return {"rope_cache": 0}
+        """Logits (see `Decoder.forward`), without `document_ids`: this attention takes no
+        block-causal mask, so the trainer refuses `attn_mask_type = "block_causal"` for it."""
+        return super().forward(tokens, kv_cache)
 
     def flops_per_token(self, seq_len: int) -> float:
         return deepseek_v3_flops_per_token(self.args, seq_len)

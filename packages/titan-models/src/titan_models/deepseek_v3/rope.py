@@ -1,9 +1,8 @@
 """Rotary embedding of MLA's positional part, with YaRN frequency scaling (arXiv:2309.00071).
 
-The table has Titan's layout (`[max_seq_len, qk_rope_head_dim]`, cos then sin, position on
-dim 0 so context parallel can shard it) and is applied with Llama's interleaved-pair rotation
-(`titan_models.llama3.rope.apply_rope`), as DeepSeek's own code and Hugging Face's
-`rope_interleave` do.
+The table has Titan's layout (`titan_models.rope`: `[max_seq_len, qk_rope_head_dim]`, cos then
+sin) and is applied with Meta's interleaved-pair rotation (`titan_models.rope.apply_rope`), as
+DeepSeek's own code and Hugging Face's `rope_interleave` do.
 
 YaRN keeps the dimensions that turn many times over the original context (high frequencies,
 local order) and divides the frequencies of the slow ones by `rope_factor`, with a linear
@@ -19,6 +18,7 @@ import math
 import torch
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.rope import rope_frequencies, rope_table
 
 
 def _dimension_of(rotations: float, dim: int, base: float, context: int) -> float:
@@ -31,8 +31,7 @@ def build_rope_frequencies(
 ) -> torch.Tensor:
     """The `qk_rope_head_dim // 2` rotation frequencies (radians per position), float32."""
     dim, base = args.qk_rope_head_dim, args.rope_theta
-    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim
-    freqs = 1.0 / (base**exponents)
+    freqs = rope_frequencies(dim, base, device)
     if args.rope_factor <= 1:
         return freqs
     first = max(math.floor(_dimension_of(args.beta_fast, dim, base, args.original_seq_len)), 0)
@@ -46,10 +45,7 @@ def build_rope_frequencies(
 
 def build_rope_cache(args: DeepSeekV3Args, device: torch.device | None = None) -> torch.Tensor:
     """`[max_seq_len, qk_rope_head_dim]` float32: cos of the angles, then their sin."""
-    freqs = build_rope_frequencies(args, device)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    return rope_table(build_rope_frequencies(args, device), args.max_seq_len)
 
 
 def softmax_scale(args: DeepSeekV3Args) -> float:

@@ -1,11 +1,6 @@
-"""Rotary position embedding with Llama 3.1 frequency scaling, on real cos/sin tensors.
-
-Meta's convention rotates interleaved pairs (x[2i], x[2i+1]) of each head by angle
-position * freq[i]. The reference keeps the angles as complex numbers; here they are a real
-table `[max_seq_len, head_dim]` holding cos in the first half of the last dim and sin in the
-second, because DTensor, torch.compile and DCP on CPU handle complex tensors poorly. Position
-is dim 0, so context parallel can shard the table the way it shards the sequence.
-"""
+"""Llama 3.1's rotary embedding: Meta's interleaved pairs (`titan_models.rope.apply_rope`)
+at frequencies stretched for long context (`build_rope_frequencies`); see `titan_models.rope`
+for the table's layout."""
 
 from __future__ import annotations
 
@@ -14,13 +9,14 @@ import math
 import torch
 
 from titan_models.llama3.args import LlamaArgs
+from titan_models.rope import apply_rope, rope_frequencies, rope_table
+
+__all__ = ["apply_rope", "build_rope_cache", "build_rope_frequencies"]
 
 
 def build_rope_frequencies(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
     """The `head_dim // 2` rotation frequencies (radians per position), float32."""
-    dim = args.head_dim
-    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.int64).float() / dim
-    freqs = 1.0 / (args.rope_theta**exponents)
+    freqs = rope_frequencies(args.head_dim, args.rope_theta, device)
     if not args.use_rope_scaling:
         return freqs
     # Llama 3.1: wavelengths longer than the original context are stretched by `factor`,
@@ -40,17 +36,4 @@ def build_rope_frequencies(args: LlamaArgs, device: torch.device | None = None) 
 
 def build_rope_cache(args: LlamaArgs, device: torch.device | None = None) -> torch.Tensor:
     """`[max_seq_len, head_dim]` float32: cos of the angles, then their sin."""
-    freqs = build_rope_frequencies(args, device)
-    positions = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` `[batch, seq, heads, head_dim]` by the first `seq` rows of `rope_cache`."""
-    seq_len, head_dim = x.shape[1], x.shape[-1]
-    cos, sin = rope_cache[:seq_len].unsqueeze(1).chunk(2, dim=-1)  # [seq, 1, head_dim // 2] each
-    pairs = x.float().unflatten(-1, (head_dim // 2, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    return rope_table(build_rope_frequencies(args, device), args.max_seq_len)

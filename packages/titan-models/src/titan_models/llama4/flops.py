@@ -17,18 +17,11 @@ def _attention_params(a: Llama4Args) -> int:
     return 2 * a.dim * a.n_heads * a.head_dim + 2 * a.dim * a.n_kv_heads * a.head_dim
 
 
-def _moe_params(a: Llama4Args, *, active: bool) -> int:
-    moe = a.moe
-    experts = moe.top_k if active else moe.num_experts
-    shared = 3 * a.dim * moe.hidden_dim * moe.num_shared_experts
-    return a.dim * moe.num_experts + 3 * a.dim * moe.hidden_dim * experts + shared
-
-
 def _ffn_params(a: Llama4Args, *, active: bool) -> int:
     """Feed-forward weights of all blocks together."""
     moe = a.n_moe_layers
     dense = (a.n_layers - moe) * 3 * a.dim * a.hidden_dim
-    return dense + (moe * _moe_params(a, active=active) if moe else 0)
+    return dense + (moe * a.moe.param_count(a.dim, active=active) if moe else 0)
 
 
 def llama4_param_count(args: Llama4Args, *, active: bool = False) -> int:

@@ -3,7 +3,15 @@ grouped-matmul experts, shared experts and DeepSeek-V3's two load-balancing sche
 
 from titan_models.moe.args import MoEArgs
 from titan_models.moe.experts import GroupedExperts
-from titan_models.moe.layer import MoE, SwiGLU
+from titan_models.moe.layer import MoE, SwiGLU, moe_init_plan, swiglu_init_plan
 from titan_models.moe.router import TopKRouter
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "SwiGLU", "TopKRouter"]
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "MoEArgs",
+    "SwiGLU",
+    "TopKRouter",
+    "moe_init_plan",
+    "swiglu_init_plan",
+]

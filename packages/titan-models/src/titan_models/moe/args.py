@@ -42,6 +42,13 @@ class MoEArgs:
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
 
+    def param_count(self, dim: int, *, active: bool = False) -> int:
+        """Weights of one layer of width `dim`: the router, the routed experts (with `active`
+        only the top_k a token goes through) and the shared experts."""
+        experts = self.top_k if active else self.num_experts
+        shared = 3 * dim * self.hidden_dim * self.num_shared_experts
+        return dim * self.num_experts + 3 * dim * self.hidden_dim * experts + shared
+
     def problems(self, dim: int) -> list[str]:
         """What is inconsistent in these arguments for a model of width `dim`."""
         out = []

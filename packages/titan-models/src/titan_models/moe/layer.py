@@ -40,6 +40,23 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def swiglu_init_plan(std: float, out_std: float) -> dict[str, ParamInit]:
+    """How a `SwiGLU` starts, by name relative to it: `std` for w1 and w3 (they read the
+    input), `out_std` for w2 (it writes into the residual stream)."""
+    plan = {n: ParamInit.truncated(std) for n in ("w1.weight", "w3.weight")}
+    return plan | {"w2.weight": ParamInit.truncated(out_std)}
+
+
+def moe_init_plan(args: MoEArgs, std: float, out_std: float) -> dict[str, ParamInit]:
+    """How a `MoE` of these args starts, by name relative to it (see `MoE.init_plan`), from
+    the args alone: a model's plan names the layers a pipeline stage does not hold too."""
+    plan = {n: ParamInit.truncated(std) for n in ("router.gate.weight", "experts.w1", "experts.w3")}
+    plan["experts.w2"] = ParamInit.truncated(out_std)
+    if args.num_shared_experts:
+        plan |= {f"shared_experts.{n}": p for n, p in swiglu_init_plan(std, out_std).items()}
+    return plan
+
+
 class MoE(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -118,13 +135,15 @@ class MoE(nn.Module):
         input (router, w1, w3), `out_std` for what writes into the residual stream (w2). The
         expert bias, a buffer saved with the weights, starts at zero: a model's plan names it
         too (`init_from_plan_` fills the buffers a plan names)."""
-        names = ["router.gate.weight", "experts.w1", "experts.w3"]
-        out = ["experts.w2"]
-        if self.shared_experts is not None:
-            names += ["shared_experts.w1.weight", "shared_experts.w3.weight"]
-            out += ["shared_experts.w2.weight"]
-        plan = {n: ParamInit.truncated(std) for n in names}
-        return plan | {n: ParamInit.truncated(out_std) for n in out}
+        return moe_init_plan(self.args, std, out_std)
+
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """After `to_empty`: no tokens counted since the last bias update yet; the expert bias
+        (state, from the init plan or a checkpoint) keeps its values, moved to `buffer_device`
+        (default: where it is)."""
+        self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, device=buffer_device)
+        if buffer_device is not None:
+            self.expert_bias = self.expert_bias.to(buffer_device)
 
     @torch.no_grad()
     def update_expert_bias(self, group=None, *, counts: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,13 +1,18 @@
 """Qwen3 (dense and mixture-of-experts) for Titan."""
 
 from titan_core.protocols import ModelSpec
+from titan_models.attention import check_block_causal
 from titan_models.qwen3.args import Qwen3Args, qwen3_flavors, with_moe
 from titan_models.qwen3.flops import qwen3_flops_per_token, qwen3_param_count
 from titan_models.qwen3.hf_adapter import Qwen3HFAdapter
 from titan_models.qwen3.model import Qwen3Transformer
 
 qwen3_spec = ModelSpec(
-    name="qwen3", flavors=qwen3_flavors, build=Qwen3Transformer, hf_adapter=Qwen3HFAdapter
+    name="qwen3",
+    flavors=qwen3_flavors,
+    build=Qwen3Transformer,
+    hf_adapter=Qwen3HFAdapter,
+    block_causal_check=check_block_causal,
 )
 
 __all__ = [

@@ -16,12 +16,9 @@ def _attention_params(args: Qwen3Args) -> int:
 
 
 def _ffn_params(args: Qwen3Args, *, active: bool) -> int:
-    moe = args.moe
-    if moe is None:
+    if args.moe is None:
         return 3 * args.dim * args.hidden_dim
-    experts = moe.top_k if active else moe.num_experts
-    shared = 3 * args.dim * moe.hidden_dim * moe.num_shared_experts
-    return args.dim * moe.num_experts + 3 * args.dim * moe.hidden_dim * experts + shared
+    return args.moe.param_count(args.dim, active=active)
 
 
 def qwen3_param_count(args: Qwen3Args, *, active: bool = False) -> int:

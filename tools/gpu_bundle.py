@@ -1,0 +1,158 @@
+"""The GPU suite for a machine whose Python already has torch with CUDA and that cannot
+download anything: everything it needs in one folder, made here, carried there.
+
+    uv run python tools/gpu_bundle.py gpu-bundle      # here, where PyPI is reachable
+    bash gpu-bundle/run_gpu_tests.sh                  # there (copy the folder over first)
+
+The folder holds:
+- `wheels/`: the workspace's wheels (built from this checkout, as an index would get them), and
+  the third-party wheels they need from uv.lock, except torch and what comes with it (triton,
+  the CUDA libraries, sympy, ...), which the machine has (`--no-third-party` leaves them out,
+  for a machine that has them too; `--python-version` picks the wheels for its Python);
+- `repo/`: this checkout's tracked files without the package sources (tests, configs, READMEs,
+  the pytest settings), so that the tests can only import the installed wheels;
+- `gpu_test_files.txt`: the test files that hold tests marked `gpu`, a line per package;
+- `run_gpu_tests.sh`: installs the wheels with `pip install --no-deps --no-index --target`
+  into a folder of their own (`$TITAN_TARGET`, default `site-packages/` in the bundle), so the
+  machine's Python is left as it is, puts that folder first on `PYTHONPATH`, and runs every
+  test marked `gpu` of every package. `$PYTHON` (default `python3`) is the Python with torch;
+  `$PIP` (default `$PYTHON -m pip`) installs. Arguments go to pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a CUDA torch installs beside itself: the GPU machine has them with its torch.
+WITH_TORCH = re.compile(
+    r"^(torch|triton|nvidia-.*|cuda-.*|sympy|mpmath|networkx|jinja2|markupsafe|filelock|fsspec"
+    r"|typing-extensions|setuptools)$"
+)
+
+RUN_SCRIPT = """#!/usr/bin/env bash
+# Install the wheels beside this script into a folder of their own (no network, the Python's
+# own packages untouched), then run every test marked `gpu` against them. See
+# tools/gpu_bundle.py in the Titan repository.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+python="${PYTHON:-python3}"
+pip="${PIP:-$python -m pip}"
+target="${TITAN_TARGET:-$here/site-packages}"
+$pip install --no-deps --no-index --upgrade --target "$target" "$here"/wheels/*.whl
+export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+"$python" -c 'import titan_core, torch; print("gpu suite: titan from", titan_core.__file__,
+  "| torch", torch.__version__, "| CUDA GPUs:", torch.cuda.device_count())'
+status=0
+# One pytest per package (each tests folder has its own conftest), over its files that hold
+# tests marked gpu.
+while read -r files; do
+  "$python" -m pytest -m gpu -rs -p no:cacheprovider --rootdir "$here/repo" \\
+    $(for f in $files; do echo "$here/repo/$f"; done) "$@" </dev/null || status=$?
+done < "$here/gpu_test_files.txt"
+exit "$status"
+"""
+
+
+def build_wheels(wheels: Path) -> None:
+    subprocess.run(
+        ["uv", "build", "--all-packages", "--no-sources", "--wheel", "--quiet",
+         "--out-dir", str(wheels)],
+        cwd=ROOT, check=True,
+    )  # fmt: skip
+
+
+def third_party_requirements() -> list[str]:
+    """The locked third-party packages the workspace's libraries and trainer need at run time
+    (and pytest), less torch and what comes with it."""
+    exported = subprocess.run(
+        ["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-dev",
+         "--all-packages", "--all-extras", "--no-header", "--no-annotate"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    keep = []
+    for line in exported.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", "-")):
+            continue
+        name = re.split(r"[=<>;\[ ]", line, maxsplit=1)[0].lower()
+        if not WITH_TORCH.match(name):
+            keep.append(line)
+    return keep
+
+
+def download(requirements: list[str], wheels: Path, python_version: str) -> None:
+    listing = wheels.parent / "third_party.txt"
+    listing.write_text("\n".join(requirements) + "\n")
+    subprocess.run(
+        ["uv", "tool", "run", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", python_version, "--platform", "manylinux_2_28_x86_64",
+         "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64",
+         "--dest", str(wheels), "-r", str(listing)],
+        check=True,
+    )  # fmt: skip
+
+
+def copy_repo(dest: Path) -> None:
+    """The tracked files, without the package sources (those come from the wheels)."""
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    for name in files:
+        if re.match(r"^(packages/[^/]+|apps/[^/]+)/src/", name) or not (ROOT / name).is_file():
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+
+
+def gpu_test_files() -> list[list[str]]:
+    """The tracked test files that mark tests `gpu`, grouped by tests folder."""
+    files = subprocess.run(
+        ["git", "ls-files", "*/tests/test_*.py"], cwd=ROOT, check=True, capture_output=True,
+        text=True,
+    ).stdout.splitlines()  # fmt: skip
+    groups: dict[str, list[str]] = {}
+    for name in files:
+        if "pytest.mark.gpu" in (ROOT / name).read_text():
+            groups.setdefault(str(Path(name).parent), []).append(name)
+    return list(groups.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", help="the folder to make (replaced if it exists)")
+    parser.add_argument("--no-third-party", action="store_true", help="only the workspace's wheels")
+    parser.add_argument(
+        "--python-version",
+        default=f"{sys.version_info.major}.{sys.version_info.minor}",
+        help="the GPU machine's Python, for the third-party wheels (default: this one's)",
+    )
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    wheels = out / "wheels"
+    build_wheels(wheels)
+    if not args.no_third_party:
+        download(third_party_requirements(), wheels, args.python_version)
+    copy_repo(out / "repo")
+    (out / "gpu_test_files.txt").write_text(
+        "".join(" ".join(group) + "\n" for group in gpu_test_files())
+    )
+    script = out / "run_gpu_tests.sh"
+    script.write_text(RUN_SCRIPT)
+    script.chmod(0o755)
+    count = len(list(wheels.glob("*.whl")))
+    print(f"gpu bundle: {out} ({count} wheels); on the GPU machine: bash {script.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
