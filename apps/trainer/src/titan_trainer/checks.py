@@ -387,7 +387,7 @@ def _pipeline_problems(
     with torch.device("meta"):
         model = spec.build(model_args_for(spec, config, vocab_size))
     try:
-        titan_parallel.plan_pipeline(
+        plan = titan_parallel.plan_pipeline(
             model,
             dims.pp,
             schedule=p.pipeline_parallel_schedule,
@@ -402,6 +402,8 @@ def _pipeline_problems(
         )
     except ConfigError as e:
         return e.problems
+    if config.validation.enable and plan.eval_problem is not None:
+        return [f"[validation] enable = true: {plan.eval_problem}"]
     return []
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
@@ -92,6 +93,8 @@ class Pipeline:
     """This rank runs the last stage: it computes the loss."""
     loss: _MicrobatchLoss | None = None
     """The schedule's loss function (divides by the microbatches in training, not in eval)."""
+    eval_problem: str | None = None
+    """Why `eval` cannot run on this layout (see `PipelinePlan.eval_problem`), or None."""
 
     def step(
         self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
@@ -133,6 +136,8 @@ class Pipeline:
         Returns, on a rank with the last stage, the sum over microbatches of the loss function
         as it is (a loss function that returns a sum over tokens gives the batch's sum), and
         None elsewhere (see `broadcast_pipeline_loss`)."""
+        if self.eval_problem is not None:  # every rank knows it: none starts a collective
+            raise ConfigError([self.eval_problem])
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (inputs,) if self.has_first else ()
         if self.loss is not None:
@@ -144,6 +149,13 @@ class Pipeline:
         finally:
             if self.loss is not None:
                 self.loss.divide = True
+        # Without a backward, FSDP modules built with reshard_after_forward=False stay
+        # unsharded after their forward (whole parameters in place of the sharded ones the
+        # optimizer and the gradients hold): shard them again, as a training step ends.
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         if losses is None:
             return None
         return torch.stack(
@@ -343,6 +355,26 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.names_per_stage)
 
+    @property
+    def eval_problem(self) -> str | None:
+        """Why a forward-only pass cannot run on this layout, or None. Where one rank holds two
+        neighbouring stages (the V schedules, ZBVZeroBubble and DualPipeV, and a CSV schedule
+        that places stages so), torch's forward-only schedule (2.15) still runs the backward
+        hand-off between them and fails ("can't steal_bwd_input if this stage doesn't have
+        backward")."""
+        for rank, ids in enumerate(self.stage_ids_per_rank):
+            pair = next((s for s in ids if s + 1 in ids), None)
+            if pair is not None:
+                return (
+                    f"a forward-only pass (validation) does not run under the {self.schedule}"
+                    f" pipeline schedule: pipeline rank {rank} holds the neighbouring stages"
+                    f" {pair} and {pair + 1}, whose hand-off torch's forward-only schedule runs"
+                    " as in training and fails\nuse a schedule that keeps neighbouring stages"
+                    " on different ranks (1F1B, Interleaved1F1B, InterleavedZeroBubble, ...)"
+                    " or turn validation off"
+                )
+        return None
+
 
 def plan_pipeline(
     model: nn.Module,
@@ -531,6 +563,7 @@ def build_pipeline(
         has_first=0 in stage_ids,
         has_last=num_stages - 1 in stage_ids,
         loss=scaled,
+        eval_problem=plan.eval_problem,
     )
 
 
