@@ -1,6 +1,7 @@
 """Optimizer step time: Ranger21 (every component on; eager foreach passes and the compiled,
-fused kernels) and bfloat16-state variants against torch's AdamW (foreach), on the Llama 3.1 104M flavor (`100M`), side by side in one run, as
-JSON lines.
+fused kernels), bfloat16-state variants and Muon (Newton-Schulz in bfloat16 and in float32)
+against torch's AdamW (foreach), on the Llama 3.1 104M flavor (`100M`), side by side in one
+run, as JSON lines.
 
     uv run python bench/optim.py [--flavor 100M] [--vocab-size 2048] [--iters 10] [--device cpu]
 
@@ -21,14 +22,16 @@ import time
 import torch
 
 from titan_models.llama3 import llama3_spec
-from titan_parallel import AdamW, Ranger21
+from titan_parallel import AdamW, Muon, Ranger21, uses_muon
 
 
 def emit(**record) -> None:
     print(json.dumps({"bench": "optim", **record}), flush=True)
 
 
-def build_params(flavor: str, vocab_size: int, device: torch.device) -> list[torch.Tensor]:
+def build_params(
+    flavor: str, vocab_size: int, device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
     args = llama3_spec.flavors[flavor]
     args = type(args)(**{**args.__dict__, "vocab_size": vocab_size})
     with torch.device("meta"):
@@ -36,12 +39,27 @@ def build_params(flavor: str, vocab_size: int, device: torch.device) -> list[tor
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     params = []
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         with torch.no_grad():
             p.normal_(0, 0.02, generator=gen)
         p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
-        params.append(p)
+        params.append((name, p))
     return params
+
+
+def muon(names: list[str], ns_dtype: torch.dtype):
+    """Muon over the hidden matrices, AdamW over the embedding, norms and head (the trainer's
+    default grouping)."""
+
+    def make(ps: list[torch.Tensor]) -> Muon:
+        hidden = [uses_muon(n, p, n.startswith("tok_embeddings")) for n, p in zip(names, ps)]
+        groups = [
+            {"params": [p for p, h in zip(ps, hidden) if h], "use_muon": True},
+            {"params": [p for p, h in zip(ps, hidden) if not h], "use_muon": False},
+        ]
+        return Muon(groups, lr=1e-3, adjust_lr="match_rms_adamw", ns_dtype=ns_dtype)
+
+    return make
 
 
 def main() -> None:
@@ -50,9 +68,11 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--only", nargs="*", help="names of the optimizers to time (default: all)")
     a = ap.parse_args()
     device = torch.device(a.device)
-    params = build_params(a.flavor, a.vocab_size, device)
+    named = build_params(a.flavor, a.vocab_size, device)
+    names, params = [n for n, _ in named], [p for _, p in named]
     n = sum(p.numel() for p in params)
     emit(flavor=a.flavor, vocab_size=a.vocab_size, parameters=n, device=str(device))
     # Each optimizer gets its own copy of the parameters (the same values and gradients).
@@ -67,7 +87,11 @@ def main() -> None:
         "AdamW bf16 states (titan-parallel)": lambda ps: AdamW(
             ps, lr=1e-3, state_dtype=torch.bfloat16
         ),
+        "Muon, Newton-Schulz in bf16": muon(names, torch.bfloat16),
+        "Muon, Newton-Schulz in fp32": muon(names, torch.float32),
     }
+    if a.only:
+        makers = {k: v for k, v in makers.items() if k in a.only or k.startswith("AdamW foreach")}
     runs = {}
     for name, make in makers.items():
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]

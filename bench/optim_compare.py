@@ -1,9 +1,10 @@
-"""AdamW against Ranger21, and Ranger21 with each component off in turn, on the debug model
-(or another flavor): the same data, steps and seed; validation loss at fixed steps, as JSON
-lines, a Markdown table and a PNG plot written into the trainer's docs.
+"""AdamW against Ranger21, and Ranger21 with each component off in turn, or against Muon, on
+the debug model (or another flavor): the same data, steps and seed; validation loss at fixed
+steps, as JSON lines, a Markdown table and a PNG plot written into the trainer's docs.
 
     uv run python bench/optim_compare.py [--steps 120] [--every 20] [--out apps/trainer/docs]
     uv run python bench/optim_compare.py --flavor 100M --variants AdamW Ranger21 ...
+    uv run python bench/optim_compare.py --variants AdamW Muon --stem muon_comparison
 
 Each variant is one training run of the trainer itself (`titan_trainer.train`), in this
 process, on the embedded corpus, validated on its held-out split.
@@ -50,6 +51,13 @@ def variants() -> dict[str, list[str]]:
         "--optimizer.ranger21.core",
         "madgrad",
     ]
+    # Muon with Moonlight's scale takes AdamW's learning rate and weight decay; with Jordan's
+    # original scale its matrices take their own rate (0.02, his default).
+    out["Muon"] = ["--optimizer.name", "Muon"]
+    out["Muon, original scale, lr 0.02"] = [
+        *("--optimizer.name", "Muon", "--optimizer.muon.adjust_lr", "original"),
+        *("--optimizer.muon.lr", "0.02"),
+    ]
     return out
 
 
@@ -63,6 +71,7 @@ def main() -> None:
     ap.add_argument("--out", default="apps/trainer/docs")
     ap.add_argument("--flavor", default="debugmodel", help="model flavor (debugmodel, 100M, ...)")
     ap.add_argument("--variants", nargs="*", help="names of the variants to run (default: all)")
+    ap.add_argument("--stem", default="optimizer_comparison", help="file name of the table/plot")
     a = ap.parse_args()
     init_logging()
     handler = _ValidationLosses()
@@ -123,12 +132,11 @@ def write_docs(results: dict, a, out: Path) -> None:
         lines.append(
             f"| {name} | " + " | ".join(f"{r.get(s, float('nan')):.3f}" for s in steps) + " |"
         )
-    stem = "optimizer_comparison" + ("" if a.flavor == "debugmodel" else f"_{a.flavor}")
+    stem = a.stem + ("" if a.flavor == "debugmodel" else f"_{a.flavor}")
     (out / f"{stem}.md").write_text(
         f"<!-- written by bench/optim_compare.py --flavor {a.flavor} --steps {a.steps} "
-        f"--every {a.every} --seq-len {a.seq_len} --batch {a.batch} --lr {a.lr} -->\n"
-        + "\n".join(lines)
-        + "\n"
+        f"--every {a.every} --seq-len {a.seq_len} --batch {a.batch} --lr {a.lr}"
+        f" --stem {a.stem} -->\n" + "\n".join(lines) + "\n"
     )
     import matplotlib
 
@@ -138,7 +146,7 @@ def write_docs(results: dict, a, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("tab20").colors  # 12 variants: no colour used twice
     for i, (name, r) in enumerate(results.items()):
-        style = "-" if name in ("AdamW", "Ranger21") else ":"
+        style = "-" if name in ("AdamW", "Ranger21", "Muon") else ":"
         ax.plot(list(r), list(r.values()), style, marker="o", markersize=3, label=name,
                 color=colors[i % len(colors)])  # fmt: skip
     ax.set_xlabel("step")

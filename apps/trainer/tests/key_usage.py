@@ -2,9 +2,9 @@
 
 Every section of the loaded config is given a subclass that records each field read. Recording
 starts after loading and checking (validation reads keys that may do nothing), then covers
-four runs in this process: a short training run with every optional feature on, a resume of
-it from an initial checkpoint, a step of Ranger21 with bfloat16 states, and a dry run with
-suggestions."""
+five runs in this process: a short training run with every optional feature on, a resume of
+it from an initial checkpoint, a step of Ranger21 with bfloat16 states, a step of Muon with
+parameter groups, and a dry run with suggestions."""
 
 from __future__ import annotations
 
@@ -178,6 +178,21 @@ def main(out: str, work: str) -> None:
             "Ranger21",
             "--optimizer.state_dtype",
             "bfloat16",
+            "--metrics.enable_tensorboard",
+            "false",
+        ],
+        [
+            *common,
+            "--job.dump_folder",
+            f"{work}/m",
+            "--training.steps",
+            "1",
+            "--optimizer.name",
+            "Muon",
+            "--optimizer.muon.lr",
+            "0.02",
+            "--optimizer.param_groups",
+            '[{"params": "norm", "weight_decay": 0}]',
             "--metrics.enable_tensorboard",
             "false",
         ],

@@ -10,7 +10,10 @@ against one process. Four ranks start once and run every case:
   on the training device (`device_check.py`), and the check shown to catch a host tensor;
 - block-causal attention over packed documents (`document_start_id`: the runtime gives the
   model `document_ids`) under FSDP 2 x TP 2 and under pipeline parallel 2 x FSDP 2, whose
-  second stage gets the ids with each microbatch.
+  second stage gets the ids with each microbatch;
+- [[optimizer.param_groups]] under Muon on FSDP 4 with activation checkpointing (its wrapper
+  prefixes in the names) and on pipeline stages 2 x FSDP 2: every parameter lands in the group
+  one process gives it, and a training step runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ LAYOUTS = {
     "tp4": dict(data_parallel_shard_degree=1, tensor_parallel_degree=4),
     "hsdp2x2": dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2),
     "cp2_fsdp2": dict(data_parallel_shard_degree=2, context_parallel_degree=2),
+}
+GROUP_LAYOUTS = {
+    "fsdp4_ac": dict(data_parallel_shard_degree=4),
+    "pp2_fsdp2": dict(data_parallel_shard_degree=2, pipeline_parallel_degree=2),
 }
 BLOCK_CAUSAL_LAYOUTS = {
     "fsdp2_tp2": LAYOUTS["fsdp2_tp2"],
@@ -316,6 +323,68 @@ def device_check_case(world: int) -> dict:
     }
 
 
+def muon_groups_config(**parallelism):
+    from titan_trainer.param_groups import ParamGroup
+
+    cfg = job_config(**parallelism)
+    cfg.optimizer.name = "Muon"
+    cfg.optimizer.param_groups = [
+        ParamGroup(params="norm", weight_decay=0.0),
+        ParamGroup(params=r"^layers\.0\.", lr=1e-4, beta2=0.9),
+        ParamGroup(params="feed_forward", muon=False),
+    ]
+    return cfg
+
+
+def grouping(optimizer, parts) -> dict[str, tuple]:
+    """Parameter name (as the model gives it) -> the values of its optimizer group."""
+    from titan_core.init import canonical_name
+
+    names = {id(p): canonical_name(n) for part in parts for n, p in part.named_parameters()}
+    return {
+        names[id(p)]: (g["lr"], g["weight_decay"], g["betas"], g["use_muon"])
+        for g in optimizer.param_groups
+        for p in g["params"]
+    }
+
+
+def reference_grouping() -> dict[str, tuple]:
+    from titan_trainer.optimizer import build_optimizer
+
+    with torch.device("meta"):
+        model = llama_untied()
+    model.to_empty(device="cpu")
+    return grouping(build_optimizer([model], muon_groups_config().optimizer), [model])
+
+
+def param_groups_case(world: int, layout: str) -> dict:
+    from titan_trainer.optimizer import build_optimizer
+
+    cfg = muon_groups_config(**GROUP_LAYOUTS[layout])
+    cfg.activation_checkpoint.mode = "full"  # names inside it gain _checkpoint_wrapped_module
+    runtime = _runtime(cfg, world)
+    cfg.training.local_batch_size = BATCH // runtime.dims.dp_degree
+    with torch.device("meta"):
+        model = llama_untied()
+    parts = runtime.parallelize(model)
+    runtime.materialize(parts)
+    runtime.init_weights(parts)
+    wrapped = [n for part in parts for n, _ in part.named_parameters() if "_checkpoint" in n]
+    opt = build_optimizer(parts, cfg.optimizer, dims=runtime.dims)
+    inputs, labels = batch()
+    dp = runtime.dims.mesh("dp")
+    inputs, labels = (t.chunk(dp.size())[dp.get_local_rank()] for t in (inputs, labels))
+    loss = runtime.reduce_loss(runtime.forward_backward(parts, inputs, labels, scale=1.0))
+    opt.step()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, grouping(opt, parts))
+    return {
+        "grouping": {k: v for mine in everyone for k, v in mine.items()},
+        "wrapped": wrapped,
+        "loss": float(loss),
+    }
+
+
 def _cases(world: int) -> dict:
     cases = {
         f"llama_1b_shaped_{layout}": (train_case, (world, "llama_1b_shaped", layout))
@@ -326,6 +395,8 @@ def _cases(world: int) -> dict:
         cases[f"block_causal_{layout}"] = (train_case, (world, "llama_untied", layout, True))
     cases["device_check"] = (device_check_case, (world,))
     cases["host_memory"] = (host_memory_case, (world,))
+    for layout in GROUP_LAYOUTS:
+        cases[f"param_groups_{layout}"] = (param_groups_case, (world, layout))
     return cases
 
 
@@ -384,6 +455,7 @@ def refs(launched) -> dict:
     refs = {name: reference(name) for name in MODELS if name != "llama_untied"}
     refs["block_causal"] = reference("llama_untied", block_causal=True)
     refs["causal_on_documents"] = reference("llama_untied", block_causal=False, documents=True)
+    refs["grouping"] = reference_grouping()
     return refs
 
 
@@ -466,3 +538,22 @@ def test_the_memory_check_adds_up_the_needs_of_every_rank_on_the_host(results):
     got = results["host_memory"]
     assert "error" not in got, got.get("error")
     assert got["needs"] == [r * 2**30 for r in range(1, 5)]
+
+
+@pytest.mark.parametrize("layout", list(GROUP_LAYOUTS))
+def test_param_groups_under_fsdp_and_pipeline_stages_group_like_one_process(layout, results, refs):
+    got = results[f"param_groups_{layout}"]
+    assert "error" not in got, got["error"]
+    assert got["wrapped"], "activation checkpointing did not wrap the blocks"
+    assert got["grouping"] == refs["grouping"]
+    ref = refs["grouping"]
+    assert ref["layers.0.attention_norm.weight"] == (1e-2, 0.0, (0.9, 0.95), False)
+    assert ref["layers.0.feed_forward.w1.weight"] == (1e-4, 0.1, (0.9, 0.9), True)
+    assert ref["layers.1.feed_forward.w1.weight"] == (1e-2, 0.1, (0.9, 0.95), False)  # muon off
+    assert ref["layers.1.attention.wq.weight"] == (1e-2, 0.1, (0.9, 0.95), True)
+    assert (
+        ref["output.weight"]
+        == ref["tok_embeddings.weight"]
+        == ref["layers.1.feed_forward.w1.weight"]
+    )
+    assert math.isfinite(got["loss"])

@@ -58,6 +58,50 @@ def test_validation_under_context_parallel_must_use_the_training_length():
     assert "context parallel shards it with the batch" in message
 
 
+def test_validation_under_pipeline_parallel_takes_the_training_shapes():
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--validation.enable", "true"]
+    check_config(load_config(JobConfig, [*pp, "--validation.local_batch_size", "16"]), 2)
+    message = problems(
+        [*pp, "--validation.seq_len", "1024", "--validation.local_batch_size", "4"], world_size=2
+    )
+    assert (
+        "[validation] seq_len = 1024 must equal [training] seq_len = 2048 under pipeline parallel"
+        in message
+    ), message
+    assert (
+        "[validation] local_batch_size = 4 must be a multiple of [training] local_batch_size = 8"
+        in message
+    ), message
+    assert "use 8 or a multiple of it" in message
+
+
+def test_validation_under_a_v_schedule_is_refused_before_start_up():
+    """The V schedules keep two neighbouring stages on one rank, whose hand-off torch's
+    forward-only schedule runs as in training and fails: refused with the fix, before any
+    process group; another schedule passes the same check."""
+    from titan_trainer.checks import preflight_problems
+
+    base = [
+        *("--validation.enable", "true"),
+        *("--parallelism.pipeline_parallel_degree", "2"),
+        *("--parallelism.data_parallel_shard_degree", "1"),
+    ]
+    v = load_config(JobConfig, [*base, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"])
+    found, _, _ = preflight_problems(v, 2, dry_run=True)
+    assert any(
+        p.startswith(
+            "[validation] enable = true: a forward-only pass (validation) does not run"
+            " under the ZBVZeroBubble pipeline schedule: pipeline rank 1 holds the"
+            " neighbouring stages 1 and 2"
+        )
+        and "use a schedule that keeps neighbouring stages on different ranks" in p
+        for p in found
+    ), found
+    interleaved = [*base, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    found, _, _ = preflight_problems(load_config(JobConfig, interleaved), 2, dry_run=True)
+    assert not [p for p in found if "forward-only" in p], found
+
+
 class _Positional(nn.Module):
     def __init__(self, names: dict[str, int] | None) -> None:
         super().__init__()

@@ -81,14 +81,27 @@ def _grads(parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     )
 
 
-def reference(experts: int = 8) -> dict:
+def build_optimizer(name: str, parts: list[torch.nn.Module]) -> torch.optim.Optimizer:
+    """AdamW, or Muon (fp32 Newton-Schulz) for the hidden matrices, each 3-D expert weight a
+    stack of matrices orthogonalised one by one, and AdamW for the router, embeddings, norms
+    and head (`muon_owner`: sharded matrices dealt out to one rank each)."""
+    from titan_parallel import Muon, muon_param_groups
+
+    if name == "adamw":
+        return torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=LR)
+    groups = [g for part in parts for g in muon_param_groups(part)]
+    distributed = "owner" if name == "muon_owner" else "gather"
+    return Muon(groups, lr=LR, ns_dtype=torch.float32, distributed=distributed)
+
+
+def reference(experts: int = 8, optimizer: str = "adamw") -> dict:
     """The same steps in this one process, unsharded."""
     from titan_parallel import init_weights_exact
 
     model = TinyMoE(MoEArgs(num_experts=experts))
     init_weights_exact(model, SEED)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = build_optimizer("muon" if optimizer.startswith("muon") else optimizer, [model])
     x, y = batch()
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
@@ -171,7 +184,7 @@ def run_ep_case(case: EPCase) -> dict:
         enable_cpu_ring_attention()
     initial = _states(parts)
     params = [p for part in parts for p in part.parameters()]
-    opt = torch.optim.AdamW(params, lr=LR)
+    opt = build_optimizer(case.extra.get("optimizer", "adamw"), parts)
     dp_cp = dims.mesh("dp_cp")
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
@@ -201,6 +214,7 @@ def run_ep_case(case: EPCase) -> dict:
         "initial": initial,
         "final": _states(parts),
         "layout": _expert_layout(parts),
+        **({"muon_paths": dict(opt.paths)} if hasattr(opt, "paths") else {}),
     }
 
 

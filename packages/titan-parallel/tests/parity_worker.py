@@ -86,9 +86,26 @@ def shared_names(model: torch.nn.Module) -> list[list[str]]:
 RANGER21 = dict(lr=LR, total_steps=6, warmup_steps=2, lookahead_steps=5)
 
 
-def build_optimizer(name: str, params, pipeline_group=None) -> torch.optim.Optimizer:
-    from titan_parallel import Ranger21
+# Muon over 5 steps with Newton-Schulz in fp32 (bf16 would round differently on each layout's
+# slightly different gradients), Moonlight's scale, weight decay on both kinds.
+MUON = dict(lr=2e-2, weight_decay=0.1, ns_dtype=torch.float32, adjust_lr="match_rms_adamw")
 
+
+def build_optimizer(
+    name: str, params, pipeline_group=None, modules: list | None = None
+) -> torch.optim.Optimizer:
+    from titan_parallel import Muon, Ranger21, muon_param_groups
+
+    if name in ("muon", "muon_owner"):
+        # Hidden matrices by Muon, embeddings, norms and the head by AdamW, per module (the
+        # stages of a pipeline rank); `owner` deals the sharded matrices out to one rank each.
+        muon, adamw = [], []
+        for module in modules:
+            for group in muon_param_groups(module):
+                (muon if group["use_muon"] else adamw).extend(group["params"])
+        groups = [{"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False}]
+        distributed = "owner" if name == "muon_owner" else "gather"
+        return Muon(groups, **MUON, distributed=distributed)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=LR)
     if name == "ranger21":
@@ -106,7 +123,7 @@ def reference(model_name: str = "tiny", optimizer: str = "adamw", steps: int = S
     torch.manual_seed(SEED)
     model.init_weights()
     initial = state_vector(model)
-    opt = build_optimizer(optimizer, model.parameters())
+    opt = build_optimizer(optimizer, model.parameters(), modules=[model])
     x, y = batch()
     losses, norms = [], []
     for _ in range(steps):
@@ -166,7 +183,9 @@ def run_pp_case(case: Case) -> dict:
         if dp_mesh is not None:
             apply_fsdp(part, dims.mesh("fsdp"), pp_enabled=True)
     params = [p for part in pipe.model_parts for p in part.parameters()]
-    opt = build_optimizer(case.optimizer, params, pipeline_group=pp_mesh.get_group())
+    opt = build_optimizer(
+        case.optimizer, params, pipeline_group=pp_mesh.get_group(), modules=pipe.model_parts
+    )
     losses, norms = [], []
     for _ in range(case.steps):
         loss = broadcast_pipeline_loss(pipe.step(x, y), pp_mesh, torch.device("cpu"))
@@ -183,6 +202,7 @@ def run_pp_case(case: Case) -> dict:
         "initial": state_vector(ref),
         "params": {k: v for d in gathered for k, v in d.items()},
         "tied": shared_names(ref),
+        **({"muon_paths": dict(opt.paths)} if hasattr(opt, "paths") else {}),
     }
 
 
@@ -244,7 +264,7 @@ def run_case(case: Case) -> dict:
     model.to_empty(device="cpu")
     init_weights_exact(model, SEED)
     initial = state_vector(model)
-    opt = build_optimizer(case.optimizer, model.parameters())
+    opt = build_optimizer(case.optimizer, model.parameters(), modules=[model])
     x, y = batch()
     dp_mesh = dims.mesh("dp")
     if dp_mesh is not None:  # each data-parallel rank takes its slice of the global batch
@@ -270,6 +290,8 @@ def run_case(case: Case) -> dict:
     }
     if case.extra.get("memory"):
         out["memory"] = local_bytes(model, opt)
+    if hasattr(opt, "paths"):  # Muon: where its matrices were orthogonalised
+        out["muon_paths"] = dict(opt.paths)
     return out
 
 
@@ -297,9 +319,16 @@ def local_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
 
 def run_naive_case(case: Case) -> dict:
     """The case with optimizer statistics taken on each rank's local shard only (what an
-    optimizer unaware of sharding computes)."""
-    from titan_parallel import ranger21
+    optimizer unaware of sharding computes); for Muon, each shard orthogonalised alone."""
+    from titan_parallel import muon, ranger21
 
+    if case.optimizer.startswith("muon"):
+        saved_split = muon.matrix_split
+        muon.matrix_split = lambda p: []
+        try:
+            return run_case(case)
+        finally:
+            muon.matrix_split = saved_split
     saved = ranger21.row_sums_groups, ranger21.total_sums_groups
     ranger21.row_sums_groups = ranger21.total_sums_groups = lambda t: ()
     try:

@@ -3,7 +3,9 @@
 under EP alone, EP with FSDP, HSDP, TP, PP and CP, with activation checkpointing and compile,
 and MoE layers under plain TP; on real gloo groups of 2 and 4 ranks, fp32, 5 AdamW steps on
 the global batch one process takes, the biases rebalanced after each step from the counts of
-every rank.
+every rank. Muon (each expert's matrix orthogonalised alone, the router by AdamW) under EP,
+EP x TP (expert matrices split by TP, gathered) and EP x FSDP splitting expert rows (owner
+ranks) does too.
 
 What is compared, and why each: initial weights (bitwise: exact initialisation of expert
 shards), the first step's gradients (a missing or doubled reduction of expert gradients shows
@@ -37,6 +39,26 @@ CASES_4 = [
     # One expert per EP rank, split by FSDP over 2 ranks along its rows (dim 1), not dim 0.
     EPCase("ep2_fsdp2_expert_rows_split", 4, ep=2, experts=2),
 ]
+MUON = {"optimizer": "muon"}
+CASES_2 += [EPCase("muon_ep2", 2, ep=2, extra=MUON)]
+CASES_4 += [
+    EPCase("muon_ep2_tp2", 4, ep=2, tp=2, extra=MUON),
+    EPCase(
+        "muon_owner_ep2_fsdp2_expert_rows_split",
+        4,
+        ep=2,
+        experts=2,
+        extra={"optimizer": "muon_owner"},
+    ),
+]
+# Where Muon orthogonalised the matrices (see test_ranger21_parity.MUON_PATHS): experts split
+# by EP only are whole on their rank; TP splits them (gathered); FSDP over expert rows too (an
+# owner rank each).
+MUON_PATHS = {
+    "muon_ep2": {"local", "gather"},  # attention and shared-expert matrices under FSDP: gather
+    "muon_ep2_tp2": {"gather"},
+    "muon_owner_ep2_fsdp2_expert_rows_split": {"owner"},
+}
 LAYOUT = {  # where w1 of the first MoE layer lives (mesh dimensions, placements)
     "ep2": "('ep_shard', 'ep') (_StridedShard(dim=0, sf=2), Shard(dim=0))",
     "moe_under_tp2_sp": "('tp',) (Shard(dim=2),)",
@@ -58,7 +80,8 @@ def launched() -> dict:
 
 @pytest.fixture(scope="module")
 def refs() -> dict:
-    return {n: reference(n) for n in {c.experts for c in CASES_2 + CASES_4}}
+    keys = {(c.experts, c.extra.get("optimizer", "adamw")) for c in CASES_2 + CASES_4}
+    return {key: reference(*key) for key in keys}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +102,11 @@ def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
 
 @pytest.mark.parametrize("case", CASES_2 + CASES_4, ids=lambda c: c.name)
 def test_layout_trains_like_one_process(case: EPCase, results: dict, refs: dict) -> None:
-    got, ref = results[case.name], refs[case.experts]
+    got, ref = results[case.name], refs[(case.experts, case.extra.get("optimizer", "adamw"))]
     assert "error" not in got, got.get("error")
+    if case.name in MUON_PATHS:
+        paths = got["muon_paths"]
+        assert {k for k, v in paths.items() if v} == MUON_PATHS[case.name], paths
     if case.name in LAYOUT:
         assert got["layout"] == LAYOUT[case.name]
     # Exact initialisation: each shard is cut from the weights one process draws.

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.multiprocessing.spawn import ProcessException
 
 from titan_core import ParallelDims
+from titan_core.config import ConfigError
 from titan_parallel.context_parallel import cp_context, cp_unshard
 from titan_parallel.pipeline import broadcast_pipeline_loss, build_pipeline, pp_total_norm
 
@@ -180,9 +181,7 @@ def pp_case(ctx: dict, schedule: str, *, fsdp: bool = False, **kwargs) -> dict:
     rows = slice(dp_rank * local_batch, (dp_rank + 1) * local_batch)
     loss = pipe.step(tokens[rows], labels[rows])
     step_loss = broadcast_pipeline_loss(loss, dims.mesh("pp"), torch.device("cpu"))
-    if fsdp:  # the reference loss is over the global batch: average the dp ranks' losses
-        dist.all_reduce(step_loss, group=dims.mesh("dp").get_group())
-        step_loss /= dp
+    # The gradients of the training step, before the forward-only pass below.
     local_sq = sum(
         (full(p.grad) ** 2).sum() for part in pipe.model_parts for p in part.parameters()
     )
@@ -194,8 +193,25 @@ def pp_case(ctx: dict, schedule: str, *, fsdp: bool = False, **kwargs) -> dict:
     inf_norm = pp_total_norm(local_max, dims.mesh("pp"), norm_type=float("inf"))
     ref_inf = max(g.abs().max() for g in grads.values()).item()
     report = _grad_report(pipe.model_parts, grads)
+    # Forward only (the same weights: no optimizer step): the microbatches' losses summed.
+    # Where a rank holds two neighbouring stages (V schedules) it is refused on every rank.
+    eval_refused = None
+    try:
+        summed = pipe.eval(tokens[rows], labels[rows])
+    except ConfigError as e:
+        eval_refused, summed = str(e), None
+    eval_loss = broadcast_pipeline_loss(summed, dims.mesh("pp"), torch.device("cpu"))
+    eval_loss /= pipe.n_microbatches
+    if eval_refused is not None:
+        eval_loss = torch.tensor(float("nan"))
+    if fsdp:  # the reference loss is over the global batch: average the dp ranks' losses
+        for value in (step_loss, eval_loss):
+            dist.all_reduce(value, group=dims.mesh("dp").get_group())
+            value /= dp
     report.update(
         loss_err=abs(step_loss.item() - ref_loss),
+        eval_err=abs(eval_loss.item() - ref_loss),
+        eval_refused=eval_refused,
         norm_err=max(abs(norm.item() - ref_norm), abs(inf_norm.item() - ref_inf)),
         stage_ids=pipe.stage_ids,
         has_first=pipe.has_first,
@@ -535,12 +551,28 @@ def _ok(reports: list[dict]) -> list[dict]:
 LOSS_TOL = GRAD_TOL = 1e-5
 
 
+def _check_eval(r: dict, schedule: str) -> None:
+    """The forward-only loss equals one process's, or, where one rank holds two neighbouring
+    stages (the V schedules), every rank refuses it with the fix."""
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        assert r["eval_refused"] is not None, r
+        assert f"does not run under the {schedule} pipeline schedule" in r["eval_refused"]
+        assert (
+            "use a schedule that keeps neighbouring stages on different ranks"
+            in (r["eval_refused"])
+        )
+    else:
+        assert r["eval_refused"] is None, r["eval_refused"]
+        assert r["eval_err"] < LOSS_TOL
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_every_schedule_matches_single_process_loss_and_grads(results, world, schedule):
     reports = _ok(results[world][f"pp_{schedule}"])
     for r in reports:
         assert r["loss_err"] < LOSS_TOL
+        _check_eval(r, schedule)  # Pipeline.eval: the forward-only schedule
         assert r["grad_err"] < GRAD_TOL
         assert r["norm_err"] < GRAD_TOL  # pp_total_norm == the whole model's 2- and inf-norms
     # Every parameter is owned by exactly one stage.
@@ -566,6 +598,7 @@ def test_schedule_from_csv_matches_reference_and_infers_stage_placement(results,
 def test_pp2_with_fsdp2_matches_global_batch_reference(results, schedule):
     for r in _ok(results[4][f"pp2_fsdp2_{schedule}"]):
         assert r["loss_err"] < LOSS_TOL
+        _check_eval(r, schedule)
         assert r["grad_err"] < GRAD_TOL
         assert r["norm_err"] < GRAD_TOL
 

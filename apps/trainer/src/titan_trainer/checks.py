@@ -18,6 +18,7 @@ from titan_trainer.config import JobConfig
 from titan_trainer.fault_tolerance import fault_tolerance_problems
 from titan_trainer.logs import rank_problems
 from titan_trainer.optimizer import optimizer_problem
+from titan_trainer.param_groups import group_preflight_problems, resumed_checkpoint
 
 
 def _plugin_problem(group: str, key: str, name: str) -> str | None:
@@ -111,12 +112,30 @@ def check_config(config: JobConfig, world_size: int) -> None:
             " attn_mask_type = 'causal' with context parallel, or context_parallel_degree = 1"
         )
     if config.validation.enable and dims.pp_enabled:
-        problems.append(
-            "[validation] enable = true does not work with pipeline parallel yet\n"
-            "turn validation off, or evaluate a checkpoint in a separate non-pipelined run"
-        )
+        problems += _pipeline_validation_problems(config)
     if problems:
         raise ConfigError(problems)
+
+
+def _pipeline_validation_problems(config: JobConfig) -> list[str]:
+    """The pipeline stages exchange tensors of the training microbatch's shape, and validation
+    batches run through the same stages in pieces of the training local batch."""
+    t, v = config.training, config.validation
+    problems = []
+    if v.seq_len not in (-1, t.seq_len):
+        problems.append(
+            f"[validation] seq_len = {v.seq_len} must equal [training] seq_len = {t.seq_len}"
+            " under pipeline parallel (the stages exchange tensors of the training shape)\n"
+            "use -1 to validate at the training sequence length"
+        )
+    if v.local_batch_size % t.local_batch_size:
+        problems.append(
+            f"[validation] local_batch_size = {v.local_batch_size} must be a multiple of"
+            f" [training] local_batch_size = {t.local_batch_size} under pipeline parallel"
+            " (validation runs the training microbatches' shape through the stages)\n"
+            f"use {t.local_batch_size} or a multiple of it"
+        )
+    return problems
 
 
 def _expert_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
@@ -278,6 +297,7 @@ def preflight_problems(
     if mtp:  # the checks below build the model
         return problems + mtp, notes, vocab_size
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
+    problems += _param_group_problems(config, spec, vocab_size)
     problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
     if not dry_run:
@@ -391,7 +411,7 @@ def _pipeline_problems(
     with torch.device("meta"):
         model = spec.build(model_args_for(spec, config, vocab_size))
     try:
-        titan_parallel.plan_pipeline(
+        plan = titan_parallel.plan_pipeline(
             model,
             dims.pp,
             schedule=p.pipeline_parallel_schedule,
@@ -406,7 +426,19 @@ def _pipeline_problems(
         )
     except ConfigError as e:
         return e.problems
+    if config.validation.enable and plan.eval_problem is not None:
+        return [f"[validation] enable = true: {plan.eval_problem}"]
     return []
+
+
+def _param_group_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
+    """[[optimizer.param_groups]] against the whole model (every pipeline stage's names), and
+    against the groups of the checkpoint a resume loads."""
+    if not config.optimizer.param_groups and resumed_checkpoint(config) is None:
+        return []
+    with torch.device("meta"):
+        model = spec.build(model_args_for(spec, config, vocab_size))
+    return group_preflight_problems(config, model)
 
 
 def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:

@@ -17,10 +17,12 @@ from titan_parallel import (
     ActivationCheckpoint,
     Compile,
     FaultToleranceConfig,
+    MuonOptions,
     Parallelism,
     Ranger21Options,
 )
 from titan_trainer import torchtitan_keys
+from titan_trainer.param_groups import ParamGroup, optimizer_group_problems
 
 Dtype = Literal["auto", "bfloat16", "float32"]
 
@@ -73,8 +75,8 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = "AdamW"
-    """`AdamW` or `Adam` (built in), `Ranger21` (titan-parallel), another entry point in
-    `titan.optimizers` (see `titan-train --list-plugins`), or `module:attr`."""
+    """`AdamW` or `Adam` (built in), `Ranger21` or `Muon` (titan-parallel), another entry point
+    in `titan.optimizers` (see `titan-train --list-plugins`), or `module:attr`."""
     lr: float = 8e-4
     """Peak learning rate."""
     beta1: float = 0.9
@@ -92,10 +94,15 @@ class Optimizer:
     """Dtype of the optimizer's moments, for AdamW and Ranger21. bfloat16 halves their memory;
     they are updated in float32 and stored with stochastic rounding (AdamW then runs on
     titan-parallel's foreach AdamW, whatever `implementation` says)."""
+    param_groups: list[ParamGroup] = field(default_factory=list)
+    """Groups of parameters with their own lr, weight_decay, beta1, beta2, eps (and Muon's
+    `muon` switch), chosen by a regex over parameter names; the first match wins, the rest
+    take the values above. TOML `[[optimizer.param_groups]]` tables (or a JSON list here)."""
     ranger21: Ranger21Options = field(default_factory=Ranger21Options)
+    muon: MuonOptions = field(default_factory=MuonOptions)
 
     def validate(self) -> list[str]:
-        problems = []
+        problems = optimizer_group_problems(self)
         if self.state_dtype != "float32" and self.name == "Adam":
             problems.append(
                 f"[optimizer] state_dtype = {self.state_dtype!r} is not available for Adam\n"

@@ -98,6 +98,9 @@ class LRSchedule(LambdaLR):
         super().__init__(optimizer, _factor_fn(total_steps, self.schedule))
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # Each group's peak is the configured one (its `initial_lr`), not the checkpoint's: a
+        # group's lr may have changed, and a pipeline rank's groups are not rank 0's (whose
+        # copy of this state the checkpoint keeps).
         current, peaks = dict(self.schedule), list(self.base_lrs)
         super().load_state_dict(state_dict)
         previous, self.schedule = self.schedule, current

@@ -1,7 +1,7 @@
 """How the trainer uses titan-parallel: split into pipeline stages, parallelize and initialise,
 run one microbatch forward and backward (with loss parallel, context parallel, a pipeline
 schedule or autocast as the layout needs), clip gradients over every mesh dimension, reduce
-the loss."""
+the loss; and evaluate a batch forward only (the pipeline's forward-only schedule under PP)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ from titan_trainer.precision import DTYPES
 
 log = get_logger("parallel")
 
+IGNORE_INDEX = -100
+"""The label that counts for no loss (F.cross_entropy's `ignore_index`): padding, masked
+prompt tokens. Validation weighs each rank by the tokens it counts."""
+
 
 @dataclass
 class ParallelRuntime:
@@ -37,6 +41,7 @@ class ParallelRuntime:
     """With `[model] attn_mask_type = "block_causal"`: the token id that starts each document
     (BOS); every forward then gets the `document_ids` it gives (see `model_kwargs`)."""
     _scale: float = 1.0
+    _summing: bool = False
     _cp_buffers: list[dict[str, int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ build
@@ -114,6 +119,8 @@ class ParallelRuntime:
                 part.init_buffers(self.device)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._summing:  # evaluation: the sum over the tokens the mean is taken over
+            return _token_sum(self.loss_fn(output, target), target)
         return self.loss_fn(output, target) * self._scale
 
     # ------------------------------------------------------------------ steps
@@ -144,12 +151,40 @@ class ParallelRuntime:
 
     def eval_loss(
         self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
-    ) -> torch.Tensor:
-        (model,) = parts
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss summed over the batch's counted tokens, how many there are; both float32
+        on the device) for this rank's part of the batch: its context-parallel piece, and under
+        pipeline parallel the last stage's sum on every pipeline rank. A loss function that
+        averages over the tokens whose label is not IGNORE_INDEX (cross-entropy) gives exact
+        sums; sum both over the data-parallel ranks for the mean over every token."""
         inputs, labels = self._own_batch(inputs, labels)
         kwargs = self.model_kwargs(inputs)
         with torch.no_grad(), self._contexts(parts, inputs, labels):
-            return _plain(self.loss_fn(model(inputs, **kwargs), labels).detach())
+            tokens = (labels != IGNORE_INDEX).sum().float()  # this rank's piece under CP
+            if self.pipeline is None:
+                (model,) = parts
+                total = _token_sum(self.loss_fn(model(inputs, **kwargs), labels), labels)
+            else:
+                total = self._pipeline_eval(inputs, labels, kwargs)
+        return total.float(), tokens
+
+    def _pipeline_eval(self, inputs, labels, kwargs) -> torch.Tensor:
+        """The forward-only schedule over pieces of the training local batch's size (the
+        stages exchange tensors of the training microbatch's shape), summed; on every rank."""
+        size = self.config.training.local_batch_size
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._summing = True
+        try:
+            for start in range(0, inputs.shape[0], size):
+                piece = {k: v[start : start + size] for k, v in kwargs.items()}
+                part = self.pipeline.eval(
+                    inputs[start : start + size], labels[start : start + size], **piece
+                )
+                if part is not None:
+                    total += part
+        finally:
+            self._summing = False
+        return titan_parallel.broadcast_pipeline_loss(total, self.dims.mesh("pp"), self.device)
 
     def _own_batch(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # CP shards the batch in place; the loader's inputs and labels are two views of one
@@ -188,6 +223,16 @@ class ParallelRuntime:
             params, max_norm if max_norm > 0 else float("inf"), pp_mesh=self.dims.mesh("pp")
         )
 
+    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the data-parallel and context-parallel ranks, on the device."""
+        mesh = self.dims.mesh("dp_cp")
+        values = values.detach().float()
+        if mesh is None:
+            return values
+        if mesh.device_type != "cpu" and values.device.type == "cpu":
+            values = values.to(mesh.device_type)
+        return funcol.all_reduce(values, reduceOp="sum", group=mesh)
+
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The mean of `loss` over the data-parallel and context-parallel ranks, as a tensor on
         the device: an all-reduce, but no read-back to the host."""
@@ -220,6 +265,13 @@ def _cp_buffers(part: nn.Module) -> dict[str, int]:
             f" (its buffers: {', '.join(sorted(known)) or 'none'})"
         )
     return buffers
+
+
+def _token_sum(mean: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A mean loss over the counted tokens of `labels`, times their number (0 for none)."""
+    count = (labels != IGNORE_INDEX).sum()
+    mean = _plain(mean).float()
+    return torch.where(count > 0, mean * count, torch.zeros_like(mean))
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Held-out loss during training, every `validation.freq` steps."""
+"""Held-out loss during training, every `validation.freq` steps: the mean over every counted
+token of the batches (a label of -100 counts for nothing), over every data-parallel rank, so
+that a rank with more counted tokens weighs more and any layout gives the number one process
+gives. Under pipeline parallel the batches run through the forward-only schedule."""
 
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ class Validator:
         # Everything that meets a collective lives on the training device: NCCL reduces GPU
         # tensors only, gloo both.
         device = runtime.device
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros(2, dtype=torch.float32, device=device)  # loss sum, tokens
         count = 0
         batches = iter(self.build())
         while self.cfg.steps == -1 or count < self.cfg.steps:
@@ -67,7 +70,7 @@ class Validator:
             if not more.item():
                 break
             inputs, labels = (t.to(device) for t in batch)
-            total += runtime.eval_loss(model_parts, inputs, labels).float()
+            total += torch.stack(runtime.eval_loss(model_parts, inputs, labels))
             count += 1
         for part in model_parts:
             part.train()
@@ -75,4 +78,9 @@ class Validator:
             raise RuntimeError(
                 f"validation dataset {self.cfg.dataset!r} produced no batch; use a larger dataset or a smaller seq_len"
             )
-        return float(runtime.reduce_loss((total / count).float()))
+        loss_sum, tokens = runtime.reduce_sum(total).tolist()
+        if tokens == 0:
+            raise RuntimeError(
+                f"validation dataset {self.cfg.dataset!r} has no label to count (all are -100)"
+            )
+        return loss_sum / tokens

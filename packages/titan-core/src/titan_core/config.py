@@ -12,6 +12,11 @@ A field's docstring (the string literal right under it) is its `--help` text. A 
 takes finite numbers only (`nan` and `inf` parse as floats, in TOML and on the command line,
 and would reach the run as a number); a field where inf or nan means something is declared with
 `allow_nonfinite(default)`.
+
+A field typed `list[SomeDataclass]` is a list of tables: TOML's arrays of tables
+(`[[optimizer.param_groups]]`), or on the command line a JSON list of objects
+(`--optimizer.param_groups '[{"params": "norm", "weight_decay": 0}]'`), which replaces the
+file's list. Each table is checked like a section (unknown keys, types, its `validate()`).
 """
 
 from __future__ import annotations
@@ -132,6 +137,16 @@ def _strip_optional(tp: Any) -> tuple[Any, bool]:
         if len(args) == 1 and len(typing.get_args(tp)) == 2:
             return args[0], True
     return tp, False
+
+
+def table_type(tp: Any) -> type | None:
+    """The dataclass of a list-of-tables field (`list[SomeDataclass]`), else None."""
+    tp, _ = _strip_optional(tp)
+    if typing.get_origin(tp) is list:
+        args = typing.get_args(tp)
+        if args and _is_section(args[0]):
+            return args[0]
+    return None
 
 
 def describe_type(tp: Any) -> str:
@@ -287,6 +302,10 @@ def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: l
         if isinstance(item, dict):
             problems.append(f"{_section_label(path)} {key} is a value, not a section{_where(item)}")
             continue
+        table = table_type(tp)
+        if table is not None:
+            kwargs[key] = _build_tables(table, item, (*path, key), problems)
+            continue
         try:
             finite = not fields[key].metadata.get(_NONFINITE_OK, False)
             kwargs[key] = _coerce(item.value, tp, item.from_cli, finite)
@@ -303,6 +322,38 @@ def _build(cls: type[T], raw: dict[str, Any], path: tuple[str, ...], problems: l
     except ConfigError as e:  # a section's __post_init__ may check its own values
         problems.extend(e.problems)
         return cls()
+
+
+def _build_tables(cls: type, item: _Raw, path: tuple[str, ...], problems: list[str]) -> list:
+    """A list-of-tables field: TOML's array of tables, or a JSON list of objects from the CLI."""
+    value = item.value
+    label = "[[" + ".".join(path) + "]]"
+    if item.from_cli:
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            problems.append(
+                f"{item.source} = {json.dumps(item.value)} is not valid JSON ({e.msg})\n"
+                f"give a list of tables as JSON, e.g. {item.source} "
+                f"'[{{\"{_first_field(cls)}\": ...}}]', or write {label} tables in the TOML file"
+            )
+            return []
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        problems.append(
+            f"{label} must be a list of tables{_where(item)}\n"
+            f"write each as a {label} table in the TOML file"
+            + (" (or a JSON list of objects on the command line)" if item.from_cli else "")
+        )
+        return []
+    head, last = path[:-1], path[-1]
+    return [
+        _build(cls, _from_toml(v, item.source), (*head, f"{last} #{i + 1}"), problems)
+        for i, v in enumerate(value)
+    ]
+
+
+def _first_field(cls: type) -> str:
+    return next(iter(_fields(cls)))
 
 
 def _where(item: Any) -> str:
@@ -571,6 +622,10 @@ def validate(config: Any) -> list[str]:
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             problems.extend(validate(value))
+        elif isinstance(value, list):  # a list of tables
+            for item in value:
+                if dataclasses.is_dataclass(item):
+                    problems.extend(validate(item))
     check = getattr(config, "validate", None)
     if callable(check):
         try:
@@ -617,10 +672,23 @@ def render_help(cls: type, prog: str = "titan-train") -> str:
             section = head
             lines += ["", f"[{head}]" if head else "[top level]"]
         shown = "(required)" if default is dataclasses.MISSING else f"(default: {_show(default)})"
-        lines.append(f"  --{name} {describe_type(tp)} {shown}")
+        table = table_type(tp)
+        kind = f"list of [[{name}]] tables (JSON here)" if table else describe_type(tp)
+        lines.append(f"  --{name} {kind} {shown}")
         summary = doc.split("\n\n")[0].replace("\n", " ").strip()
         if summary:
             lines.append("      " + summary)
+        if table is not None:
+            for key, key_tp, key_default, key_doc in iter_options(table):
+                key_shown = (
+                    "(required)"
+                    if key_default is dataclasses.MISSING
+                    else f"(default: {_show(key_default)})"
+                )
+                lines.append(f"      {key} {describe_type(key_tp)} {key_shown}")
+                key_summary = key_doc.split("\n\n")[0].replace("\n", " ").strip()
+                if key_summary:
+                    lines.append("          " + key_summary)
     return "\n".join(lines)
 
 
@@ -651,14 +719,27 @@ def to_toml(config: Any) -> str:
     out: list[str] = []
 
     def emit(obj: Any, path: tuple[str, ...]) -> None:
-        leaves, sections = [], []
+        leaves, tables, sections = [], [], []
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            (sections if dataclasses.is_dataclass(value) else leaves).append((f.name, value))
+            if dataclasses.is_dataclass(value):
+                sections.append((f.name, value))
+            elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+                tables.append((f.name, value))
+            else:
+                leaves.append((f.name, value))
         present = [(k, v) for k, v in leaves if v is not None]
-        if path and (present or not sections):
+        if path and (present or not (sections or tables)):
             out.append(f"\n[{'.'.join(path)}]")
         out.extend(f"{k} = {_toml_value(v)}" for k, v in present)
+        for name, items in tables:  # after the section's own keys, before its subsections
+            for item in items:
+                out.append(f"\n[[{'.'.join((*path, name))}]]")
+                out.extend(
+                    f"{f.name} = {_toml_value(getattr(item, f.name))}"
+                    for f in dataclasses.fields(item)
+                    if getattr(item, f.name) is not None
+                )
         for name, value in sections:
             emit(value, (*path, name))
 

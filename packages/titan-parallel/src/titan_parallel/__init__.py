@@ -1,8 +1,8 @@
 """titan-parallel: apply FSDP2/HSDP/DDP, tensor parallel (with sequence and loss parallel),
 expert parallel for mixture-of-experts layers, pipeline and context parallel, activation checkpointing and torch.compile to a block-structured
 model; the distributed utilities a training loop needs with them (global gradient clipping,
-metric reduction, exact initialisation under sharding); optimizers whose statistics are exact
-under sharding (Ranger21, AdamW with bfloat16 states); per-rank memory estimates of any
+metric reduction, exact initialisation under sharding); optimizers exact
+under sharding (Ranger21, AdamW with bfloat16 states, Muon); per-rank memory estimates of any
 layout at full size on fake process groups and fake tensors; and fault-tolerant replica groups
 with TorchFT (the `ft` extra)."""
 
@@ -14,6 +14,7 @@ from titan_parallel.compiled_memory import simulated_backend
 from titan_parallel.config import (
     ActivationCheckpoint,
     Compile,
+    MuonOptions,
     Parallelism,
     Ranger21Options,
     check_parallelize_config,
@@ -51,6 +52,7 @@ from titan_parallel.memory_estimate import (
     fake_tensors,
     resident_bytes,
 )
+from titan_parallel.muon import Muon, build_muon, muon_param_groups, newton_schulz, uses_muon
 from titan_parallel.parallelize import parallelize
 from titan_parallel.pipeline import (
     SCHEDULES,
@@ -87,6 +89,12 @@ __all__ = [
     "start_lighthouse",
     "SAVE_OPS",
     "AdamW",
+    "Muon",
+    "MuonOptions",
+    "build_muon",
+    "muon_param_groups",
+    "newton_schulz",
+    "uses_muon",
     "Ranger21",
     "Ranger21Options",
     "build_ranger21",

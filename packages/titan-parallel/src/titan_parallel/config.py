@@ -332,3 +332,47 @@ class Ranger21Options:
                     f"[optimizer.ranger21] {key} = {getattr(self, key)} is not valid\n{fix}"
                 )
         return problems
+
+
+@dataclass
+class MuonOptions:
+    """[optimizer.muon]: Muon (Jordan et al. 2024) for the hidden matrices, AdamW ([optimizer]
+    lr, beta1, beta2, eps, weight_decay) for embeddings, norms, biases, the output head and MoE
+    routers, or whatever [[optimizer.param_groups]] gives `muon = false`."""
+
+    momentum: float = 0.95
+    """Muon's momentum (an exponential average of the gradients)."""
+    nesterov: bool = True
+    """Nesterov momentum: orthogonalise (1 - momentum) g + momentum m instead of m."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations (quintic, Jordan's coefficients)."""
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the Newton-Schulz iterations: bfloat16 as in the reference (fast on GPUs),
+    float32 for steps that equal across layouts to fp32 rounding."""
+    adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Per-matrix scale of the learning rate: `match_rms_adamw`, 0.2 sqrt(max(rows, cols))
+    (Moonlight: updates with AdamW's RMS, so [optimizer] lr and weight_decay carry over), or
+    `original`, sqrt(max(1, rows / cols)) (Jordan's; set `lr` to about 0.02)."""
+    lr: float | None = None
+    """Learning rate of the matrices Muon orthogonalises (a param group's own lr wins); none:
+    [optimizer] lr. [lr_scheduler] scales it like every group's."""
+    distributed: Literal["gather", "owner"] = "gather"
+    """How a sharded matrix is orthogonalised: `gather`, every rank of its sharding group
+    gathers it and runs Newton-Schulz (one full matrix at a time per rank); `owner`, the
+    matrices are dealt round-robin to those ranks, each orthogonalises its own and sends the
+    shards back (communication and compute divided by the group size; FSDP, HSDP or TP alone,
+    the rest gathered)."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        checks = (
+            ("momentum", 0 <= self.momentum < 1, "use a value in [0, 1)"),
+            ("ns_steps", self.ns_steps >= 1, "use 1 or more"),
+            ("lr", self.lr is None or self.lr > 0, "use a positive learning rate, or none"),
+        )
+        for key, ok, fix in checks:
+            if not ok:
+                problems.append(
+                    f"[optimizer.muon] {key} = {getattr(self, key)} is not valid\n{fix}"
+                )
+        return problems

@@ -8,6 +8,8 @@ runs a training step with `Pipeline.step(inputs, labels)`.
 
 Gradients: the loss on the last stage is divided by the number of microbatches, so the
 gradients summed over microbatches equal those of the mean loss over the whole local batch.
+`Pipeline.eval` runs the schedule forward only (validation) and returns the sum of the
+microbatches' losses as the loss function gives them, undivided.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
@@ -89,6 +92,10 @@ class Pipeline:
     """This rank runs the first stage: it feeds the input tokens."""
     has_last: bool
     """This rank runs the last stage: it computes the loss."""
+    loss: _MicrobatchLoss | None = None
+    """The schedule's loss function (divides by the microbatches in training, not in eval)."""
+    eval_problem: str | None = None
+    """Why `eval` cannot run on this layout (see `PipelinePlan.eval_problem`), or None."""
 
     def step(
         self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
@@ -111,11 +118,50 @@ class Pipeline:
         )
         if losses is None:
             return None
-        # Each microbatch loss was already divided by n_microbatches (see _scaled_loss).
+        # Each microbatch loss was already divided by n_microbatches (see _MicrobatchLoss).
         # Under loss parallel (TP) each loss is a replicated DTensor: sum plain tensors.
         return torch.stack(
             [
                 (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+                for loss in losses
+            ]
+        ).sum()
+
+    @torch.no_grad()
+    def eval(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Forward only over all microbatches of one batch, the same size as a training
+        step's local batch (the stages exchange tensors of the training microbatch's shape).
+
+        Returns, on a rank with the last stage, the sum over microbatches of the loss function
+        as it is (a loss function that returns a sum over tokens gives the batch's sum), and
+        None elsewhere (see `broadcast_pipeline_loss`)."""
+        if self.eval_problem is not None:  # every rank knows it: none starts a collective
+            raise ConfigError([self.eval_problem])
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = (inputs,) if self.has_first else ()
+        if self.loss is not None:
+            self.loss.divide = False
+        try:
+            self.schedule.eval(
+                *args, target=labels if self.has_last else None, losses=losses, **kwargs
+            )
+        finally:
+            if self.loss is not None:
+                self.loss.divide = True
+        # Without a backward, FSDP modules built with reshard_after_forward=False stay
+        # unsharded after their forward (whole parameters in place of the sharded ones the
+        # optimizer and the gradients hold): shard them again, as a training step ends.
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        if losses is None:
+            return None
+        return torch.stack(
+            [
+                (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float()
                 for loss in losses
             ]
         ).sum()
@@ -313,13 +359,16 @@ def _check_microbatches(
         raise ConfigError(problems)
 
 
-def _scaled_loss(
-    loss_fn: Callable[..., torch.Tensor], n_microbatches: int
-) -> Callable[..., torch.Tensor]:
-    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_fn(output, target) / n_microbatches
+class _MicrobatchLoss:
+    """`loss_fn` divided by the number of microbatches (training: the gradients summed over
+    microbatches are those of the mean loss), or as it is (`divide` False: `Pipeline.eval`)."""
 
-    return loss
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], n_microbatches: int):
+        self.loss_fn, self.n_microbatches, self.divide = loss_fn, n_microbatches, True
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        return loss / self.n_microbatches if self.divide else loss
 
 
 @dataclass(frozen=True)
@@ -335,6 +384,26 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         return len(self.names_per_stage)
+
+    @property
+    def eval_problem(self) -> str | None:
+        """Why a forward-only pass cannot run on this layout, or None. Where one rank holds two
+        neighbouring stages (the V schedules, ZBVZeroBubble and DualPipeV, and a CSV schedule
+        that places stages so), torch's forward-only schedule (2.15) still runs the backward
+        hand-off between them and fails ("can't steal_bwd_input if this stage doesn't have
+        backward")."""
+        for rank, ids in enumerate(self.stage_ids_per_rank):
+            pair = next((s for s in ids if s + 1 in ids), None)
+            if pair is not None:
+                return (
+                    f"a forward-only pass (validation) does not run under the {self.schedule}"
+                    f" pipeline schedule: pipeline rank {rank} holds the neighbouring stages"
+                    f" {pair} and {pair + 1}, whose hand-off torch's forward-only schedule runs"
+                    " as in training and fails\nuse a schedule that keeps neighbouring stages"
+                    " on different ranks (1F1B, Interleaved1F1B, InterleavedZeroBubble, ...)"
+                    " or turn validation off"
+                )
+        return None
 
 
 def plan_pipeline(
@@ -502,7 +571,7 @@ def build_pipeline(
     ]
     for stage in stages:
         _skip_warmup_with_itself(stage, pp_rank)
-    scaled = _scaled_loss(loss_fn, n_microbatches)
+    scaled = _MicrobatchLoss(loss_fn, n_microbatches)
 
     if csv_path is not None:
         sched: _PipelineSchedule = _PipelineScheduleRuntime(
@@ -523,6 +592,8 @@ def build_pipeline(
         n_microbatches=n_microbatches,
         has_first=0 in stage_ids,
         has_last=num_stages - 1 in stage_ids,
+        loss=scaled,
+        eval_problem=plan.eval_problem,
     )
 
 
