@@ -188,7 +188,20 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
         changes["vocab_size"] = padded
     if "max_seq_len" in fields:
         changes["max_seq_len"] = config.training.seq_len
+    if getattr(args, "moe", None) is not None:
+        changes["moe"] = moe_balance_for(args.moe, config)
     return dataclasses.replace(args, **changes)
+
+
+def moe_balance_for(moe, config: JobConfig):
+    """The flavor's MoE arguments with the balancing the [model] keys set (0: off)."""
+    m = config.model
+    changes = {}
+    if m.moe_aux_loss_alpha is not None:
+        changes["aux_loss_alpha"] = m.moe_aux_loss_alpha
+    if m.moe_load_balance_coeff is not None:
+        changes["load_balance_coeff"] = m.moe_load_balance_coeff or None
+    return dataclasses.replace(moe, **changes)
 
 
 def preflight_problems(

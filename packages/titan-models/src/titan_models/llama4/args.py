@@ -132,6 +132,7 @@ def _moe(num_experts: int, hidden: int) -> MoEArgs:
         score_before_experts=True,
         load_balance_coeff=None,
         aux_loss_alpha=1e-3,
+        aux_loss_type="batch",
     )
 
 

@@ -70,6 +70,7 @@ def _moe(num_experts: int, top_k: int, hidden: int) -> MoEArgs:
         route_norm=True,
         load_balance_coeff=None,
         aux_loss_alpha=1e-3,
+        aux_loss_type="batch",
     )
 
 
