@@ -82,6 +82,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
     problems += _expert_problems(config, dims)
+    problems += _balance_problems(config)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
@@ -139,6 +140,26 @@ def _expert_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
     if dims.tp > 1 and titan_parallel.moe_layers(model):
         problems += config.parallelism.expert_tp_problems()
     return problems
+
+
+def _balance_problems(config: JobConfig) -> list[str]:
+    """The MoE balancing keys on a flavor without experts would do nothing: say so."""
+    m = config.model
+    keys = [
+        k for k in ("moe_aux_loss_alpha", "moe_load_balance_coeff") if getattr(m, k) is not None
+    ]
+    if not keys:
+        return []
+    try:
+        args = resolve(plugins.MODELS, m.name).flavors[m.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
+    if getattr(args, "moe", None) is not None:
+        return []
+    return [
+        f"[model] {keys[0]} is set but {m.name} {m.flavor} has no mixture-of-experts layers\n"
+        "remove it, or pick a flavor with experts (e.g. qwen3 debugmodel_moe)"
+    ]
 
 
 def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[str]:
