@@ -7,6 +7,7 @@
     uv run nox -t compat                   # lowest/highest torch x oldest/newest Python
     uv run nox -s bench                    # benchmarks (not in the default set)
     uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
+    uv run nox -s slow                     # tests marked slow (not in the default set)
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
 a venv of their own: torch is large and the lock already pins it. Isolated sessions build
@@ -20,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nox
@@ -43,6 +43,12 @@ PACKAGES = {
 LIBRARIES = [p for p in PACKAGES if p != "titan-trainer"]
 JUNIT = ROOT / ".nox" / "junit"
 DURATIONS = 25
+# Test processes compute on one thread each (the processes they start inherit it): at test
+# sizes a second thread mostly waits at OpenMP's barriers, and on a loaded machine it burns
+# the CPU spinning there (a test's generation step measured 14x the CPU time on two threads:
+# 13.3 s against 0.9 s, at load 20 on 2 cores). Tests that start several processes run side
+# by side on the cores instead.
+TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
@@ -86,6 +92,9 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
         "-q",
         # The slowest tests, so that CI time stays visible where it goes.
         f"--durations={DURATIONS}",
+        # Tests marked slow (the same check at a larger size) run in `nox -s slow`.
+        "-m",
+        "not slow",
         *session.posargs,
     ]
 
@@ -110,7 +119,7 @@ for _dist in PACKAGES:
     @nox.session(name=f"tests-{_dist}", venv_backend="none")
     def tests(session: nox.Session, dist: str = _dist) -> None:
         """One package's tests in the workspace environment."""
-        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist))
+        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist), env=TEST_ENV)
 
 
 for _dist in PACKAGES:
@@ -171,7 +180,10 @@ def _pytest_outside_the_repo(session: nox.Session, *args: str) -> None:
     """pytest in the session's venv, run from outside the repo so that only the installed
     wheels can be imported (no source folder on sys.path)."""
     session.chdir(session.create_tmp())
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args)
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", f"--rootdir={ROOT}", *args,
+        env=TEST_ENV,
+    )  # fmt: skip
 
 
 def _requirement_name(requirement: str) -> str:
@@ -283,21 +295,17 @@ for _dist in LIBRARIES:
 
 @nox.session(venv_backend="none")
 def summary(session: nox.Session) -> None:
-    """Add up the test results of the sessions that ran before it (one closing line)."""
-    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    for path in sorted(JUNIT.glob("*.xml")):
-        root = ET.parse(path).getroot()
-        for suite in root.iter("testsuite"):
-            for key in totals:
-                totals[key] += int(suite.get(key, 0))
-        path.unlink()
-    failed = totals["failures"] + totals["errors"]
-    passed = totals["tests"] - failed - totals["skipped"]
-    print(
-        f"summary: {passed} passed, {failed} failed, {totals['skipped']} skipped", file=sys.stderr
-    )
-    if failed or not totals["tests"]:
-        session.error("some tests failed" if failed else "no test ran")
+    """Add up the test results of the sessions that ran before it, and list the slowest tests
+    across all of them (tools/junit_summary.py); then clear the results for the next run."""
+    paths = sorted(JUNIT.glob("*.xml"))
+    try:  # exit status 1 (the session fails) when a test failed or none ran
+        session.run(
+            sys.executable, str(ROOT / "tools" / "junit_summary.py"), *map(str, paths),
+            f"--slowest={DURATIONS}", external=True,
+        )  # fmt: skip
+    finally:
+        for path in paths:
+            path.unlink()
 
 
 @nox.session(venv_backend="none")
@@ -346,6 +354,19 @@ def gpu(session: nox.Session) -> None:
         )  # fmt: skip
 
 
+@nox.session(venv_backend="none")
+def slow(session: nox.Session) -> None:
+    """The tests marked `slow`, of every package, in the workspace env (not in the default set):
+    checks the default suite runs at a smaller size, at the size their claim is about (the
+    sharded Hugging Face import/export of a 313 MB model on 4 ranks)."""
+    for dist in PACKAGES:
+        session.run(
+            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "slow",
+            "-s", f"--durations={DURATIONS}", *session.posargs,
+            success_codes=[0, 5],  # 5: none of this package's tests is marked slow
+        )  # fmt: skip
+
+
 @nox.session(name="dryrun-405b", venv_backend="none")
 def dryrun_405b(session: nox.Session) -> None:
     """The 405B config's dry run at 512 ranks with every pipeline rank simulated (the default
@@ -382,6 +403,34 @@ def dryrun_moe(session: nox.Session) -> None:
             *session.posargs,
             env={"PYTHONUNBUFFERED": "1", **os.environ},
         )
+
+
+@nox.session(name="dryrun-torchtitan", venv_backend="none")
+def dryrun_torchtitan(session: nox.Session) -> None:
+    """The dry run of each TOML written the way torchtitan v0.2.2 wrote its train configs
+    (apps/trainer/tests/torchtitan_configs), at the world size its `# titan dry run:` line
+    names, from a folder laid out as torchtitan's checkout (its tests/assets/c4_test). The
+    default suite runs their checks (tests/test_torchtitan_configs.py); this simulates the
+    ones that pass them. Exit 3 (does not fit) is reported, not an error."""
+    import shlex
+
+    folder = ROOT / "apps/trainer/tests/torchtitan_configs"
+    work = Path(session.create_tmp())
+    sample = work / "tests/assets/c4_test"
+    sample.mkdir(parents=True, exist_ok=True)
+    (sample / "data.json").write_text('{"text": "A local sample document."}\n' * 100)
+    session.chdir(work)
+    names = session.posargs or [p.stem for p in sorted(folder.glob("*.toml"))]
+    for name in names:
+        path = folder / f"{name}.toml"
+        line = next(x for x in path.read_text().splitlines() if x.startswith("# titan dry run:"))
+        session.run(
+            "uv", "run", "--frozen", "--project", str(ROOT), "titan-train",
+            "--job.config_file", str(path), "--dry-run", "--dry_run.suggest", "false",
+            *shlex.split(line.removeprefix("# titan dry run:")),
+            success_codes=[0, 2, 3],
+            env={"PYTHONUNBUFFERED": "1", **os.environ},
+        )  # fmt: skip
 
 
 MOE_DRY_RUNS = (

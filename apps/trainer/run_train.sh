@@ -8,17 +8,60 @@
 # <dump_folder>/logs/rank_<n>.log; the [logging] section of the config says the same).
 # MAX_RESTARTS: how often torchrun restarts every rank after one fails (default 0); each restart
 # resumes from the newest complete checkpoint.
+# PYTHON: the interpreter of the environment that holds titan-trainer (default: in a Titan
+# checkout with uv installed, the workspace's environment, which `uv run` installs on first use
+# as the README's commands do; else python3 on PATH).
 # Extra arguments override the TOML. The run writes under the current folder (job.dump_folder).
 # Exit status: torchrun's, 0 only when every rank finished; a rank that SIGTERM stopped (after
 # saving a checkpoint) exits 143 and one that Ctrl-C stopped 130 (torchrun's report shows them).
 set -euo pipefail
 
+# The python of the environment a folder belongs to: the one whose site-packages hold it (an
+# installed titan-trainer), else that of the uv project it is in (the nearest uv.lock above it;
+# `uv run` installs the workspace on first use), if uv is here.
+environment_python() {
+    local dir=$1
+    case "$dir" in
+    */site-packages/*)
+        local prefix=${dir%%/lib/python*/site-packages/*}
+        if [ -x "$prefix/bin/python" ]; then
+            echo "$prefix/bin/python"
+            return
+        fi
+        ;;
+    esac
+    command -v uv >/dev/null 2>&1 || return 1
+    while [ "$dir" != "/" ] && [ -n "$dir" ]; do
+        if [ -f "$dir/uv.lock" ]; then
+            uv run --quiet --project "$dir" python -c 'import sys; print(sys.executable)'
+            return
+        fi
+        dir=$(dirname "$dir")
+    done
+    return 1
+}
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+PY=${PYTHON:-$(environment_python "$HERE" || command -v python3 || command -v python || true)}
+if [ -z "$PY" ] || ! "$PY" -c "import titan_trainer" 2>/dev/null; then
+    echo "run_train.sh: ${PY:-no python} cannot import titan_trainer" >&2
+    echo "       set PYTHON to the python of the environment where titan-trainer is installed," >&2
+    echo "       or run this script from a Titan checkout with uv installed (pip install uv)" >&2
+    exit 1
+fi
+
 # Resolved the way titan-train resolves it; a name that finds nothing fails here, before torchrun.
-CONFIG_FILE=$(python -m titan_trainer --config-path "${CONFIG_FILE:-debug_model}")
+CONFIG_FILE=$("$PY" -m titan_trainer --config-path "${CONFIG_FILE:-debug_model}")
 if [ -z "${NGPU:-}" ]; then
-    NGPU=$(python -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
+    NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
 fi
 export LOG_RANK=${LOG_RANK:-0}
 
-exec torchrun --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+# Once, before torchrun starts any rank: the checks every run makes (the config for NGPU
+# processes, the tokenizer, each dataset's first document read). A problem is said once, here.
+WORLD_SIZE=$NGPU "$PY" -m titan_trainer --check --job.config_file "$CONFIG_FILE" "$@"
+export TITAN_DATA_CHECKED=1
+
+exec "$PY" -m torch.distributed.run --nproc_per_node="$NGPU" --max-restarts="${MAX_RESTARTS:-0}" \
+    --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     -m titan_trainer --job.config_file "$CONFIG_FILE" "$@"

@@ -5,6 +5,7 @@ test_shipped_files.py)."""
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import sys
 
@@ -110,7 +111,9 @@ def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypat
     records: list[logging.LogRecord] = []
     listener = logging.Handler()
     listener.emit = records.append
-    monkeypatch.setattr(titan, "level", logging.INFO)
+    # setLevel, not the attribute: it also clears the cached levels of the child loggers.
+    level = titan.level
+    titan.setLevel(logging.INFO)
     titan.addHandler(listener)
     try:
         logger = MetricsLogger(str(tmp_path), "tb", False, 0, plots_folder="plots")
@@ -118,9 +121,56 @@ def test_without_matplotlib_the_curves_are_off_with_one_line(tmp_path, monkeypat
         logger.close()
     finally:
         titan.removeHandler(listener)
+        titan.setLevel(level)
     assert not (tmp_path / "plots").exists()
     said = [r.getMessage() for r in records if "matplotlib" in r.getMessage()]
     assert said == [
         "plots: matplotlib is not installed, so no PNG curves are drawn "
-        "(pip install 'titan-llm-trainer[plots]', or uv sync --extra plots)"
+        "(pip install 'titan-llm-trainer[plots]', or in the workspace: uv sync --all-packages --inexact --extra plots)"
     ]
+
+
+def _logged_run(dump, run_id: str, steps, loss, *, plots: str = "") -> None:
+    """One start of a run, through the trainer's own logger (TensorBoard on, rank 0)."""
+    logger = MetricsLogger(str(dump), "tb", True, 0, run_id=run_id, plots_folder=plots)
+    for step, value in zip(steps, loss):
+        logger.log_scalars(step, {"loss": value})
+    logger.close()
+
+
+def test_a_fresh_run_in_a_used_folder_is_a_series_of_its_own_and_a_resume_continues_one(
+    tmp_path, capsys
+):
+    import os
+    import time
+
+    from titan_trainer.plots import read_scalars, runs_under
+
+    dump = tmp_path / "outputs"
+    _logged_run(dump, "run-a", range(1, 21), [5.0 - 0.1 * s for s in range(1, 21)])
+    time.sleep(1.1)  # a start is a folder named by the second it began
+    _logged_run(dump, "run-b", [1, 3], [9.0, 8.0])  # another fresh run, same folder
+    assert read_scalars(str(dump))["loss"] == {1: 9.0, 3: 8.0}  # never run-a's steps 4-20
+    # The folder against the newest run's own folder: the same series.
+    assert main([str(dump), str(dump / "tb/run-b"), "--plot", "", "--tolerance", "0"]) == 0
+    captured = capsys.readouterr()
+    assert f"{dump} holds 2 runs; reading the newest, {dump}/tb/run-b" in captured.err
+    assert re.search(r"^loss .* 1-3 \(2\)", captured.out, re.M), captured.out
+    # run-b resumed (its checkpoint carries its id): one series of both starts.
+    time.sleep(1.1)
+    _logged_run(dump, "run-b", [4, 5], [7.0, 6.5], plots="plots")
+    assert read_scalars(str(dump))["loss"] == {1: 9.0, 3: 8.0, 4: 7.0, 5: 6.5}
+    assert [os.path.basename(path) for path, _ in runs_under(str(dump))] == ["run-a", "run-b"]
+    assert png_size(dump / "plots" / "loss.png") == (700, 400)
+
+
+def test_the_comparison_plot_goes_beside_the_runs_by_default(runs, tmp_path, monkeypatch, capsys):
+    a, b = runs
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(a), str(b)]) == 0
+    assert f"plot: {a / 'compare.png'}" in capsys.readouterr().out
+    assert (a / "compare.png").is_file() and not list(elsewhere.iterdir())
+    assert main([str(a), str(b), "--out", str(tmp_path / "mine.png")]) == 0
+    assert (tmp_path / "mine.png").is_file()

@@ -103,6 +103,11 @@ def test_seed_checkpoint_needs_one_process():
             ["--model.moe_load_balance_coeff", "0"],
             "[model] moe_load_balance_coeff is set but llama3 debugmodel has no mixture-of-experts layers",
         ),
+        (
+            ["--training.mtp_loss_weight", "-0.1"],
+            "titan: config error: [training] mtp_loss_weight = -0.1 is not valid\n"
+            "       use 0 or more (DeepSeek-V3: 0.3, then 0.1)",
+        ),
     ],
 )
 def test_section_level_errors(args, expected):
@@ -243,3 +248,39 @@ def test_every_float_key_refuses_nan_and_inf():
         for value in ("nan", "-inf"):
             with pytest.raises(ConfigError, match="expected a finite number"):
                 load_config(JobConfig, [f"--{name}", value])
+
+
+def test_multi_token_prediction_is_checked_against_the_family_and_context_parallel():
+    from titan_trainer.checks import model_args_for, preflight_problems
+
+    def found(*args, world_size=1):
+        return preflight_problems(load_config(JobConfig, list(args)), world_size)[0]
+
+    assert found("--model.n_mtp_layers", "1") == [
+        "[model] n_mtp_layers = 1: llama3 has no multi-token-prediction layers (deepseek_v3"
+        " has)\nleave n_mtp_layers unset for this model"
+    ]
+    deepseek = ("--model.name", "deepseek_v3")
+    assert (
+        "[model] n_mtp_layers = -1 is not valid"
+        in found(*deepseek, "--model.n_mtp_layers", "-1")[0]
+    )
+    # Context parallel would cut the sequence between a position and the tokens it reads ahead.
+    cp = ("--parallelism.context_parallel_degree", "2", "--training.seq_len", "64")
+    assert found(*deepseek, *cp, world_size=2) == [
+        "[parallelism] context_parallel_degree = 2: multi-token prediction (n_mtp_layers = 1)"
+        " reads the tokens up to 1 positions ahead, which context parallel puts on other"
+        " ranks\ntrain with n_mtp_layers = 0, or without context parallel"
+    ]
+    assert found(*deepseek, *cp, "--model.n_mtp_layers", "0", world_size=2) == []
+    # The key sets the depth; unset, the flavor's (1 in the debug flavor).
+    from titan_core import plugins, resolve
+
+    spec = resolve(plugins.MODELS, "deepseek_v3")
+    for extra, depth in (
+        ((), 1),
+        (("--model.n_mtp_layers", "2"), 2),
+        (("--model.n_mtp_layers", "0"), 0),
+    ):
+        config = load_config(JobConfig, [*deepseek, *extra])
+        assert model_args_for(spec, config, 256).n_mtp_layers == depth

@@ -7,11 +7,22 @@ how close the estimate is to measurement is in test_memory_predictor.py.
 from __future__ import annotations
 
 import re
+import subprocess
 
 import pytest
 from conftest import DEBUG_TOML, run_cli
 
+from titan_trainer.cli import main as titan_train
+
 SMALL = ["--job.config_file", str(DEBUG_TOML), "--training.seq_len", "64"]
+
+
+def _titan_train(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """`titan-train ARGS` in this process: the dry run simulates each rank in a fresh process
+    of its own anyway, and this one has imported the trainer already."""
+    code = titan_train(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
 
 
 def _table_rows(stdout: str) -> dict[str, list[float]]:
@@ -23,9 +34,10 @@ def _table_rows(stdout: str) -> dict[str, list[float]]:
     return rows
 
 
-def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path):
-    result = run_cli(
-        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "2"]
+def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys):
+    result = _titan_train(
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "2"],
+        capsys,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -41,8 +53,8 @@ def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path):
     assert not (tmp_path / "checkpoint").exists() and "step    1" not in out
 
 
-def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path):
-    result = run_cli(
+def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capsys):
+    result = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -57,7 +69,8 @@ def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path):
             "1",
             "--training.local_batch_size",
             "4",
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _table_rows(result.stdout)
@@ -67,8 +80,8 @@ def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path):
     assert rows["pipeline rank 0"] != rows["pipeline rank 1"]
 
 
-def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path):
-    result = run_cli(
+def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, capsys):
+    result = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -82,7 +95,8 @@ def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path):
             "0.12",
             "--dry_run.headroom_gib",
             "0",
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 3, result.stdout + result.stderr
     out = result.stdout
@@ -100,8 +114,8 @@ def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path):
     assert "cheapest change that fits: activation checkpointing: full" in out, out
 
 
-def test_every_config_problem_is_reported_together_before_any_simulation(tmp_path):
-    result = run_cli(
+def test_every_config_problem_is_reported_together_before_any_simulation(tmp_path, capsys):
+    result = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -115,7 +129,8 @@ def test_every_config_problem_is_reported_together_before_any_simulation(tmp_pat
             "2F2B",
             "--training.dataset",
             str(tmp_path / "missing.jsonl"),
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 2, result.stdout + result.stderr
     out = result.stdout
@@ -124,18 +139,19 @@ def test_every_config_problem_is_reported_together_before_any_simulation(tmp_pat
     assert "rank role" not in out  # no simulation of a job that cannot start
 
 
-def test_world_size_must_be_known(tmp_path):
+def test_world_size_must_be_known(tmp_path, capsys, monkeypatch):
     # the debug config names 1 process; without that, an open FSDP degree leaves it unknown
-    result = run_cli(
+    monkeypatch.setenv("NGPU", "")
+    result = _titan_train(
         [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "none"],
-        env_extra={"NGPU": ""},
+        capsys,
     )
     assert result.returncode == 2
     assert "needs the job's world size" in result.stdout and "--dry_run.world_size" in result.stdout
 
 
-def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path):
-    trained = run_cli(
+def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path, capsys):
+    trained = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -145,10 +161,11 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path)
             "--checkpoint.enable",
             "--metrics.enable_tensorboard",
             "false",
-        ]
+        ],
+        capsys,
     )
     assert trained.returncode == 0, trained.stdout + trained.stderr
-    same = run_cli(
+    same = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -157,11 +174,12 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path)
             "--dry-run",
             "--dry_run.world_size",
             "2",
-        ]
+        ],
+        capsys,
     )
     assert same.returncode == 0, same.stdout + same.stderr
     assert "step-1 (step 1), which loads into this layout" in same.stdout, same.stdout
-    other = run_cli(
+    other = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -172,7 +190,8 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path)
             "--dry-run",
             "--dry_run.world_size",
             "2",
-        ]
+        ],
+        capsys,
     )
     assert other.returncode == 2, other.stdout + other.stderr
     assert "does NOT load into this layout" in other.stdout
@@ -219,10 +238,10 @@ def test_training_run_checks_the_layout_before_creating_process_groups(tmp_path,
     assert message in result.stderr, result.stderr
 
 
-def test_training_a_model_this_machine_cannot_hold_stops_before_allocating(tmp_path):
+def test_training_a_model_this_machine_cannot_hold_stops_before_allocating(tmp_path, capsys):
     # The 8B config on one process: 8B fp32 parameters, gradients and two AdamW states are
-    # ~120 GiB. The run must say so at once, not start allocating.
-    result = run_cli(
+    # ~120 GiB, and a step's activations more. The run must say so at once, not allocate.
+    result = _titan_train(
         [
             "--job.config_file",
             "llama3_8b",
@@ -236,17 +255,17 @@ def test_training_a_model_this_machine_cannot_hold_stops_before_allocating(tmp_p
             "--checkpoint.enable",
             "false",
         ],
-        timeout=300,
+        capsys,
     )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert (
-        "needs 119.7 GiB for its parameters, gradients and optimizer state alone" in result.stderr
-    )
+    assert "this rank needs " in result.stderr
+    assert "119.7 GiB for its parameters, gradients and optimizer state" in result.stderr
+    assert "for a step's activations (local batch 1 x seq_len 8,192" in result.stderr
     assert "--dry-run" in result.stderr
 
 
-def test_all_ranks_simulates_every_pipeline_rank(tmp_path):
-    result = run_cli(
+def test_all_ranks_simulates_every_pipeline_rank(tmp_path, capsys):
+    result = _titan_train(
         [
             *SMALL,
             "--job.dump_folder",
@@ -259,7 +278,8 @@ def test_all_ranks_simulates_every_pipeline_rank(tmp_path):
             "4",
             "--training.local_batch_size",
             "4",
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _table_rows(result.stdout)

@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from conftest import TRAINER, parse_losses
@@ -67,13 +68,16 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_nothing_failed(tmp_pa
     interval = int(words[words.index("--checkpoint.interval") + 1])
     assert interval < KILLED_AT <= steps  # a checkpoint exists before the kill, steps after it
 
-    whole = _run(words, {**env, "MAX_RESTARTS": "0"}, tmp_path,
-                 [*small, "--job.dump_folder", str(tmp_path / "whole")])  # fmt: skip
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    # The two jobs side by side (each is two one-thread ranks; much of a job is start-up).
     crash = {"CRASH_RANK": str(KILLED_RANK), "CRASH_AT": str(KILLED_AT)}
-    elastic = _run(words, {**env, **crash}, tmp_path,
-                   [*small, "--job.dump_folder", str(tmp_path / "elastic"),
-                    "--training.data_plugin", "crash_data:data_spec"])  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        whole_job = pool.submit(_run, words, {**env, "MAX_RESTARTS": "0"}, tmp_path,
+                                [*small, "--job.dump_folder", str(tmp_path / "whole")])  # fmt: skip
+        elastic = _run(words, {**env, **crash}, tmp_path,
+                       [*small, "--job.dump_folder", str(tmp_path / "elastic"),
+                        "--training.data_plugin", "crash_data:data_spec"])  # fmt: skip
+        whole = whole_job.result()
+    assert whole.returncode == 0, whole.stderr[-3000:]
     out = elastic.stdout + elastic.stderr
     assert elastic.returncode == 0, out[-4000:]
 

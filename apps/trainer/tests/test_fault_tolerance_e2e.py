@@ -19,6 +19,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -68,6 +69,9 @@ def start_lighthouse():
         procs.append(proc)
         for line in proc.stdout:  # its first line says where it listens
             if m := re.search(r"listening on: \S+:(\d+)", line):
+                # Keep reading what it logs: a full pipe would block the lighthouse, and every
+                # quorum after it would time out (many discarded attempts on a slow machine).
+                threading.Thread(target=proc.stdout.read, daemon=True).start()
                 return f"http://localhost:{m.group(1)}"
         raise AssertionError("the lighthouse ended without saying where it listens")
 

@@ -5,11 +5,13 @@ folder; then sampling from the same checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import string
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,16 +34,33 @@ def readme_block() -> list[str]:
 
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory):
+    """The README's block, each command as shown: the training run first; then the conversion
+    followed by generation from its folder, beside generation from the checkpoint on one
+    process and under torchrun (they read only what training wrote, and a one-thread CPU job
+    leaves the other core of a CI machine idle). Results in the README's order."""
     cwd = tmp_path_factory.mktemp("generate")
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
-    results = []
-    for line in readme_block():
-        done = subprocess.run(
-            shlex.split(line), cwd=cwd, capture_output=True, text=True, timeout=600, env=env
-        )
-        assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-3000:])
-        results.append((line, done))
-    return cwd, results
+
+    def run(lines: list[str]) -> list[tuple[str, subprocess.CompletedProcess]]:
+        results = []
+        for line in lines:
+            done = subprocess.run(
+                shlex.split(line), cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+            )
+            assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-3000:])
+            results.append((line, done))
+        return results
+
+    train, *rest = readme_block()
+    assert train.startswith("titan-train ") and "--checkpoint.enable" in train
+    hf = [line for line in rest if "gen_hf" in line]  # the conversion, then what reads it
+    assert hf[0].startswith("titan-ckpt convert") and len(hf) == 2
+    chains = [hf, *([line] for line in rest if line not in hf)]
+    results = run([train])
+    with ThreadPoolExecutor(len(chains)) as pool:
+        for done in pool.map(run, chains):
+            results += done
+    return cwd, sorted(results, key=lambda r: [train, *rest].index(r[0]))
 
 
 def test_greedy_text_is_the_same_from_dcp_tp_and_hf_and_equals_transformers(readme_runs):
@@ -76,6 +95,11 @@ def test_greedy_text_is_the_same_from_dcp_tp_and_hf_and_equals_transformers(read
     # The conversion showed its progress (tqdm, on stderr).
     (convert,) = [d for line, d in results if line.startswith("titan-ckpt convert")]
     assert "read step-10" in convert.stderr and "write safetensors" in convert.stderr
+    # Its config.json names the tokenizer's BOS and EOS, and the model's own context length
+    # (the debug flavor's 2048), not the run's 64-token samples.
+    config = json.loads((cwd / "outputs/gen_hf/config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+    assert config["max_position_embeddings"] == 2048
 
 
 def test_sampled_text_has_the_letters_of_the_corpus(readme_runs, capsys):

@@ -6,11 +6,13 @@ real gloo process groups, against one process. Four ranks start once and run eve
   bias moved after every step as the trainer moves it) under FSDP 4 and under PP 2 x FSDP 2;
 - each family's all-dense variant (the same attention: MLA, or Llama 4's chunked rotary and
   global blocks) under FSDP 2 x TP 2;
+- DeepSeek-V3 with its multi-token-prediction layer (the debug flavor's) in every case, its
+  loss weighted in (the trainer's `titan_trainer.loss`), the layer on the last pipeline stage;
 - each family's mixture-of-experts model under expert parallel, which they get from
   titan-models' `MoE.moe_plan()` with nothing of their own: EP 4 (DeepSeek-V3's group-limited
   sigmoid routing and bias balancing over 4 ranks), EP 2 x TP 2 (MLA and Llama 4's attention
   under TP, experts split both ways, Llama 4's routing weights scaling the experts' inputs)
-  and PP 2 x EP 2.
+  and PP 2 x EP 2 (both families).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ CASES = [
     ("deepseek_v3", "ep2_tp2"),
     ("llama4", "ep2_tp2"),
     ("llama4", "pp2_ep2"),
+    ("deepseek_v3", "pp2_ep2"),  # the MTP layer's experts split over EP on the last stage
 ]
 
 # ----------------------------------------------------------------------------- models
@@ -136,10 +139,11 @@ def full_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
 
 
 def reference(model_name: str) -> dict:
+    from titan_trainer.loss import cross_entropy_loss, with_mtp
     from titan_trainer.optimizer import build_optimizer
-    from titan_trainer.train import cross_entropy_loss
 
     cfg = job_config()
+    loss_fn = with_mtp(cross_entropy_loss, cfg.training.mtp_loss_weight)
     with torch.device("meta"):
         model = MODELS[model_name]()
     model.to_empty(device="cpu")
@@ -150,7 +154,7 @@ def reference(model_name: str) -> dict:
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = cross_entropy_loss(model(inputs), labels)
+        loss = loss_fn(model(inputs), labels)
         loss.backward()
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)))
         opt.step()
@@ -177,7 +181,7 @@ def train_case(world: int, model_name: str, layout: str) -> dict:
     from titan_core import ParallelDims
     from titan_trainer.experts import ExpertLoad
     from titan_trainer.optimizer import build_optimizer
-    from titan_trainer.parallel import ParallelRuntime
+    from titan_trainer.parallel import build_parallel_runtime
     from titan_trainer.train import _pipeline_microbatches, cross_entropy_loss
 
     cfg = job_config(**LAYOUTS[layout])
@@ -185,7 +189,7 @@ def train_case(world: int, model_name: str, layout: str) -> dict:
     dims.build_mesh("cpu")
     cfg.training.local_batch_size = BATCH // dims.dp_degree  # the pipeline cuts this many
     assert isinstance(dims, ParallelDims)
-    runtime = ParallelRuntime(
+    runtime = build_parallel_runtime(
         cfg, dims, torch.device("cpu"), torch.float32, SEED, cross_entropy_loss
     )
     with torch.device("meta"):
@@ -291,6 +295,11 @@ def test_trains_like_one_process(model_name, layout, results, refs):
     if model_name == "deepseek_v3":  # Llama 4 balances by the auxiliary loss alone
         biases = [k for k in ref["params"] if k.endswith("expert_bias")]
         assert biases and all(ref["params"][k].abs().sum() > 0 for k in biases)
+    if model_name.startswith("deepseek_v3"):
+        # Its multi-token-prediction layer (layers.4, on the last pipeline stage) trains by
+        # its share of the loss (mtp_loss_weight 0.3): a lost or doubled share fails below.
+        mtp = "layers.4.eh_proj.weight"
+        assert not torch.equal(ref["params"][mtp], ref["initial"][mtp])
     # Exact initialisation, expert biases (zero) included: each rank's shard is cut from the
     # tensor one process draws, whichever stage holds it.
     assert got["initial"].keys() == ref["initial"].keys()

@@ -122,39 +122,6 @@ def test_ranger21_schedule_replaces_the_trainers_so_warm_up_happens_once():
     assert current_lr(plain) == pytest.approx(1e-2 / 4)  # AdamW keeps [lr_scheduler]
 
 
-def test_readme_ranger21_command_trains_the_debug_model(tmp_path):
-    """The README's Ranger21 command, its arguments exactly as shown, run as `python -m
-    titan_trainer` (what `uv run titan-train` runs) in a scratch folder that sees the
-    repository's `apps/` (so the outputs land there, not in the checkout)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from conftest import parse_losses
-
-    trainer = Path(__file__).parents[1]
-    line = next(
-        ln
-        for ln in (trainer / "README.md").read_text().splitlines()
-        if ln.startswith("uv run titan-train") and "Ranger21" in ln
-    )
-    args = re.sub(r"^uv run titan-train ", "", line).split()
-    (tmp_path / "apps").symlink_to(trainer.parent)
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_trainer", *args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    out = proc.stdout + proc.stderr
-    assert "Ranger21 schedules its own learning rate" in out
-    losses = parse_losses(out)
-    assert sorted(losses) == [1, 3] and all(v == v for v in losses.values()), losses
-
-
 def test_ranger21_state_reshards_from_fsdp2_x_tp2_to_one_process_and_to_fsdp2(
     tmp_path, same_doc_dataset
 ):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import STEPS, fp32_args, parse_losses, run_cli
+from conftest import STEPS, fp32_args, parse_losses, run_cli, start_cli
 
 from titan_trainer.compare import main as compare
 
@@ -97,7 +97,7 @@ def test_pipeline_without_seed_checkpoint_matches_one_process_for_5_steps(
 ):
     # Each pipeline stage initialises only the blocks it holds, with the values one process
     # draws (a function of seed and parameter name), so no seed checkpoint is needed.
-    def run(nproc: int, extra: list[str]) -> dict[int, float]:
+    def start(nproc: int, extra: list[str]):
         out = tmp_path_factory.mktemp(f"pp{nproc}")
         args = fp32_args(
             [
@@ -112,15 +112,19 @@ def test_pipeline_without_seed_checkpoint_matches_one_process_for_5_steps(
             ],
             same_doc_dataset,
         )
-        result = run_cli(
+        return start_cli(
             [*args, "--training.steps", "5", "--training.local_batch_size", "8", *extra],
             nproc=nproc,
         )
+
+    def losses(started) -> dict[int, float]:
+        result = started.result()
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         return parse_losses(result.stdout)
 
-    single = run(1, [])
-    pipelined = run(
+    # Side by side: much of each run is start-up, and the one-process run computes on one core.
+    single = start(1, [])
+    pipelined = start(
         2,
         [
             "--parallelism.pipeline_parallel_degree",
@@ -131,6 +135,7 @@ def test_pipeline_without_seed_checkpoint_matches_one_process_for_5_steps(
             "4",
         ],
     )
+    single, pipelined = losses(single), losses(pipelined)
     assert sorted(pipelined) == list(range(1, 6))
     for step in single:
         # fp32; the stages sum the two microbatches' gradients in another order (measured

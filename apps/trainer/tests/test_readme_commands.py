@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
@@ -16,10 +19,11 @@ READMES = (REPO / "README.md", REPO / "apps/trainer/README.md", REPO / "bench/RE
 
 MAIN_JOB = "uv run titan-train --job.config_file apps/trainer/configs/debug_model.toml"
 SHORT_JOB = f"{MAIN_JOB} --training.steps 20"
+RANGER21_JOB = f"{MAIN_JOB} --optimizer.name Ranger21 --training.steps 3"
 FOUR_PROCESSES = (
     "uv run torchrun --nproc_per_node 4 -m titan_trainer --job.config_file "
     "apps/trainer/configs/debug_model.toml --parallelism.data_parallel_shard_degree 2 "
-    "--parallelism.tensor_parallel_degree 2"
+    "--parallelism.tensor_parallel_degree 2 --training.steps 20"
 )
 MOE_JOB = (
     "uv run titan-train --job.config_file apps/trainer/configs/qwen3_moe_debug.toml "
@@ -30,23 +34,23 @@ FAMILY_JOBS = {
     "--training.steps 10"
     for family in ("deepseek_v3", "llama4")
 }
-RUN_HERE = {MAIN_JOB, SHORT_JOB, FOUR_PROCESSES, MOE_JOB, *FAMILY_JOBS.values()}
+RUN_HERE = {MAIN_JOB, SHORT_JOB, RANGER21_JOB, FOUR_PROCESSES, MOE_JOB, *FAMILY_JOBS.values()}
+LAUNCH_8B = "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh"
+SBATCH_70B = "sbatch --nodes 8 apps/trainer/scripts/multinode.sbatch configs/llama3_70b.toml"
 RUN_ELSEWHERE = {
     # CI itself (.ci/run runs exactly this).
     "uv run nox": ".ci/run",
     "uv sync --all-packages --extra llama": (
         "tools/test_docs.py::test_root_readme_install_command_works_as_shown"
     ),
-    # The launch scripts run for real with the cluster tools replaced by recorders.
-    "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh": (
-        "apps/trainer/tests/test_shipped_files.py::test_run_train_sh_finds_the_config_from_any_folder"
-    ),
+    # The launch scripts as shown, from a shell with no Titan on PATH (below); with the
+    # cluster tools replaced by recorders, how they resolve configs.
+    LAUNCH_8B: "apps/trainer/tests/test_readme_commands.py::"
+    "test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_out_of_reach",
+    SBATCH_70B: "apps/trainer/tests/test_readme_commands.py::"
+    "test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_out_of_reach",
     "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh --training.steps 100": (
         "apps/trainer/tests/test_shipped_files.py::test_run_train_sh_finds_the_config_from_any_folder"
-    ),
-    "sbatch --nodes 8 apps/trainer/scripts/multinode.sbatch configs/llama3_70b.toml": (
-        "apps/trainer/tests/test_shipped_files.py::"
-        "test_multinode_sbatch_resolves_the_config_in_the_submission_folder"
     ),
     "titan-train --job.config_file debug_model --training.steps 5": (
         "apps/trainer/tests/test_shipped_files.py::"
@@ -55,9 +59,6 @@ RUN_ELSEWHERE = {
     "titan-train --list-configs": (
         "apps/trainer/tests/test_shipped_files.py::"
         "test_list_configs_and_config_path_answer_without_importing_torch"
-    ),
-    f"{MAIN_JOB} --optimizer.name Ranger21 --training.steps 3": (
-        "apps/trainer/tests/test_optimizer_plugins.py::test_readme_ranger21_command_trains_the_debug_model"
     ),
     # The generation block, in order, from a scratch folder (training, conversion, generation
     # from DCP, from Hugging Face files and under torchrun).
@@ -83,12 +84,14 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_download.py::"
         "test_the_readme_commands_place_the_assets_where_the_configs_look",
     ),
-    # The README's comparison: the job again, and titan-compare on the two folders.
+    # The README's comparison: the job twice, and titan-compare on the two folders.
     **dict.fromkeys(
         [
             "titan-train --job.config_file debug_model --training.steps 5 --job.dump_folder "
+            "outputs/first",
+            "titan-train --job.config_file debug_model --training.steps 5 --job.dump_folder "
             "outputs/again",
-            "titan-compare outputs/debug outputs/again --tolerance 1e-5",
+            "titan-compare outputs/first outputs/again --tolerance 1e-5",
         ],
         "apps/trainer/tests/test_shipped_files.py::"
         "test_the_readme_runs_a_shipped_config_by_name_from_any_folder",
@@ -174,7 +177,8 @@ def test_every_readme_command_is_run_by_a_test():
 def _run_as_shown(command: str, tmp_path: Path) -> subprocess.CompletedProcess:
     # The config path in the command is relative to the repository root: a scratch folder with
     # `apps` linked in reads the same files and keeps the run's outputs out of the checkout.
-    (tmp_path / "apps").symlink_to(REPO / "apps")
+    if not (tmp_path / "apps").exists():  # a second command in the same folder
+        (tmp_path / "apps").symlink_to(REPO / "apps")
     env = {**os.environ, "UV_PROJECT": str(REPO), "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(
@@ -196,24 +200,72 @@ def _losses(output: str) -> dict[int, float]:
     }
 
 
+def _run_side_by_side(jobs: list[tuple[str, Path]]) -> list[subprocess.CompletedProcess]:
+    """Each (command, folder) as shown, all at once: a one-process CPU job computes on one
+    thread (OMP_NUM_THREADS=1), and importing torch is single-threaded, so two jobs side by
+    side keep both cores of a CI machine busy where one would leave one idle."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: _run_as_shown(*job), jobs))
+
+
 def test_the_main_job_and_its_short_form_train_as_shown(tmp_path):
-    for command, steps in ((MAIN_JOB, 50), (SHORT_JOB, 20)):
-        folder = tmp_path / str(steps)
-        folder.mkdir()
-        done = _run_as_shown(command, folder)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        losses = _losses(done.stdout + done.stderr)
-        assert max(losses) == steps, sorted(losses)
-        # The README promises a pretraining run: the loss falls well below its start.
-        assert losses[steps] < 0.8 * losses[min(losses)], losses
-        assert (folder / "outputs/debug/config.toml").is_file()
+    runs = {50: MAIN_JOB, 20: SHORT_JOB}
+    for steps in runs:
+        (tmp_path / str(steps)).mkdir()
+    with ThreadPoolExecutor(1) as pool:  # the main job beside the two short ones
+        main_job = pool.submit(_run_as_shown, MAIN_JOB, tmp_path / "50")
+        short = _run_as_shown(SHORT_JOB, tmp_path / "20")
+        _check_the_readme_job(short, tmp_path / "20", 20)
+        # The trainer README's second command, in the folder of the short form (a fresh run
+        # there).
+        ranger_job = _run_as_shown(RANGER21_JOB, tmp_path / "20")
+        _check_the_readme_job(main_job.result(), tmp_path / "50", 50)
+    out = ranger_job.stdout + ranger_job.stderr
+    assert ranger_job.returncode == 0, ranger_job.stdout[-2000:] + ranger_job.stderr[-3000:]
+    assert "Ranger21 schedules its own learning rate" in out
+    ranger = _losses(out)
+    assert sorted(ranger) == [1, 3] and all(v == v for v in ranger.values()), ranger
+    _assert_separate_series(tmp_path / "20/outputs/debug", ranger, first_run_steps=20)
+
+
+def _check_the_readme_job(done: subprocess.CompletedProcess, folder: Path, steps: int) -> None:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    losses = _losses(done.stdout + done.stderr)
+    assert max(losses) == steps, sorted(losses)
+    # The README promises a pretraining run: the loss falls well below its start.
+    assert losses[steps] < 0.8 * losses[min(losses)], losses
+    assert (folder / "outputs/debug/config.toml").is_file()
+    # Nothing before Titan's own first line: no torchao notice in a run without Float8.
+    assert "register_constant() on Enum subclasses" not in done.stderr, done.stderr[:2000]
+
+
+def _assert_separate_series(dump: Path, newest: dict[int, float], first_run_steps: int) -> None:
+    """Two fresh runs in one dump folder are two series: the curves and titan-compare read the
+    newest run alone, never the earlier run's steps as its sequel."""
+    from titan_trainer.plots import read_event_folders, read_scalars, runs_under
+
+    runs = runs_under(str(dump))
+    assert len(runs) == 2, runs
+    assert sorted(read_event_folders(runs[0][1])["loss"])[-1] == first_run_steps
+    loss = read_scalars(str(dump))["loss"]
+    assert sorted(loss) == sorted(newest), loss  # the Ranger21 run's steps only
+    for step, value in newest.items():  # the metric line prints 4 decimals
+        assert abs(loss[step] - value) < 1e-4, (step, loss[step], value)
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_trainer.compare", str(dump), runs[1][0], "--plot", "",
+         "--tolerance", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"{dump} holds 2 runs; reading the newest, {runs[1][0]}" in done.stderr
+    assert re.search(r"^loss\s+\S+\s+1-3 \(2\)", done.stdout, re.M), done.stdout
 
 
 def test_the_four_process_command_trains_as_shown(tmp_path):
     done = _run_as_shown(FOUR_PROCESSES, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     losses = _losses(done.stdout + done.stderr)
-    assert max(losses) == 50 and losses[50] < 0.8 * losses[min(losses)], losses
+    assert max(losses) == 20 and losses[20] < 0.8 * losses[min(losses)], losses
     assert "dp_shard 2 x tp 2" in done.stdout + done.stderr  # the layout asked for, on 4 ranks
 
 
@@ -230,10 +282,10 @@ def test_the_moe_command_trains_and_reports_the_experts_load(tmp_path):
 
 
 def test_the_deepseek_v3_and_llama4_commands_train_their_debug_flavors(tmp_path):
-    for family, command in FAMILY_JOBS.items():
-        folder = tmp_path / family
-        folder.mkdir()
-        done = _run_as_shown(command, folder)
+    for family in FAMILY_JOBS:
+        (tmp_path / family).mkdir()
+    runs = _run_side_by_side([(command, tmp_path / f) for f, command in FAMILY_JOBS.items()])
+    for family, done in zip(FAMILY_JOBS, runs, strict=True):
         out = done.stdout + done.stderr
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         losses = _losses(out)
@@ -243,3 +295,56 @@ def test_the_deepseek_v3_and_llama4_commands_train_their_debug_flavors(tmp_path)
         top_k = {"deepseek_v3": 2, "llama4": 1}[family]
         # One per metric line; 8 experts: between even (1) and all on one (8 / top_k).
         assert len(loads) == len(losses) and all(1.0 <= x <= 8 / top_k for x in loads), loads
+
+
+def test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_out_of_reach(
+    tmp_path,
+):
+    """The README's 8B and SLURM commands as shown, from a shell with uv and no Titan on PATH
+    (a fresh clone: uv is the only prerequisite). Each finds the workspace's environment, runs
+    the checks once for the job's size (8 and 64 processes) and stops there, before torchrun or
+    srun starts anything: C4 cannot be read from here. The hub's address is a closed port on
+    this machine, so that this holds wherever the test runs, and fails fast."""
+    (tmp_path / "apps").symlink_to(REPO / "apps")
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    # sbatch runs a spooled copy of the script in the folder it was submitted from; srun is
+    # recorded (it must never be reached here).
+    (tools / "sbatch").write_text(
+        "#!/usr/bin/env bash\nset -e\nnodes=$2; script=$3; shift 3\n"
+        'mkdir -p "$SPOOL"; cp "$script" "$SPOOL/slurm_script"\n'
+        "SLURM_NNODES=$nodes SLURM_SUBMIT_DIR=$PWD SLURM_JOB_ID=7 SLURM_JOB_NODELIST=n[1-8] "
+        'exec bash "$SPOOL/slurm_script" "$@"\n'
+    )
+    (tools / "srun").write_text('#!/usr/bin/env bash\necho "$@" >> "$SPOOL/srun"\n')
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    uv = shutil.which("uv")
+    assert uv, "uv is the README's one prerequisite"
+    path = f"{tools}:{Path(uv).parent}:/usr/bin:/bin"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT")
+    }
+    env.update(PATH=path, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_OFFLINE="0")
+    env.update(SPOOL=str(tmp_path / "spool"))
+    # run_train.sh from a scratch folder that sees apps/ (were it to start the ranks, their
+    # outputs would land there); sbatch from the checkout, as the README shows (srun, the
+    # only thing that would start anything, is recorded).
+    for line, cwd in ((LAUNCH_8B, tmp_path), (SBATCH_70B, REPO)):
+        words = shlex.split(line)
+        at = next(i for i, w in enumerate(words) if "=" not in w)
+        done = subprocess.run(
+            words[at:], cwd=cwd, capture_output=True, text=True, timeout=600,
+            env={**env, **dict(w.split("=", 1) for w in words[:at])},
+        )  # fmt: skip
+        out = done.stdout + done.stderr
+        assert done.returncode == 2, out[-3000:]
+        assert "No module named" not in out and "cannot import titan_trainer" not in out
+        said = re.findall(r"titan: config error: \[training\] dataset c4 \(allenai/c4", out)
+        assert len(said) == 1, out[-3000:]  # once for the job, not once per rank
+        assert "cannot reach the Hugging Face hub" in out and "titan-data tokenize" in out
+        assert "HF_HUB_OFFLINE=1" in out and "local copy of allenai/c4" in out
+        assert "[rank" not in out and "Traceback" not in out  # no rank was started
+        assert not (tmp_path / "spool" / "srun").exists()
+        # Checked for the job's size (8 processes; 8 nodes x 8): the layout raised nothing.
+        assert out.count("titan: config error:") == 1, out[-3000:]

@@ -325,7 +325,17 @@ def _cases(world: int) -> dict:
     for layout in BLOCK_CAUSAL_LAYOUTS:
         cases[f"block_causal_{layout}"] = (train_case, (world, "llama_untied", layout, True))
     cases["device_check"] = (device_check_case, (world,))
+    cases["host_memory"] = (host_memory_case, (world,))
     return cases
+
+
+def host_memory_case(world: int) -> dict:
+    """The start-up memory check's host sum: every rank's need, gathered from the ranks on
+    this host (all four here), rank r needing r + 1 GiB."""
+    from titan_trainer.memory_check import RankNeed, host_needs
+
+    need = RankNeed(state=(dist.get_rank() + 1) * 2**30, activations=None)
+    return {"needs": [n.state for n in host_needs(need, torch.device("cpu"))]}
 
 
 def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
@@ -450,3 +460,9 @@ def test_training_and_validation_hand_collectives_only_device_tensors(results):
     # The check sees what NCCL would refuse: the flag the validation loop used to all-reduce.
     (control,) = got["control"]
     assert "torch.distributed.all_reduce is handed a host tensor (1,)" in control
+
+
+def test_the_memory_check_adds_up_the_needs_of_every_rank_on_the_host(results):
+    got = results["host_memory"]
+    assert "error" not in got, got.get("error")
+    assert got["needs"] == [r * 2**30 for r in range(1, 5)]

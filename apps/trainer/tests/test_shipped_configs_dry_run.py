@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -105,4 +106,7 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16, "deepseek_v3_debug": 1,
              "deepseek_v3_16b": 8, "llama4_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
+    toml = tomllib.loads((TRAINER / "configs" / f"{name}.toml").read_text())
+    if toml.get("compile", {}).get("enable"):  # compiled blocks and loss, simulated
+        assert "compiled code as inductor runs it" in out, out
     print(out)  # the table, for the log

@@ -69,7 +69,8 @@ def test_the_readme_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
     lines = readme.splitlines()
     command = "titan-train --job.config_file debug_model --training.steps 5"
     assert command in lines
-    (again,) = [line for line in lines if line.startswith(f"{command} --job.dump_folder")]
+    twice = [line for line in lines if line.startswith(f"{command} --job.dump_folder")]
+    assert len(twice) == 2, twice
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "OMP_NUM_THREADS": "2"}
 
     def run(line: str) -> subprocess.CompletedProcess:
@@ -81,50 +82,74 @@ def test_the_readme_runs_a_shipped_config_by_name_from_any_folder(tmp_path):
     done = run(command)
     assert done.returncode == 0, done.stderr
     assert "step    5 | loss" in done.stdout
+    # Nothing before Titan's own first line: no torchao notice in a run without Float8.
+    assert "register_constant() on Enum subclasses" not in done.stderr, done.stderr[:2000]
     # Outputs land under the folder it ran in, with the name it was given.
     assert 'config_file = "debug_model"' in (tmp_path / "outputs/debug/config.toml").read_text()
     assert {p.name for p in (tmp_path / "outputs/debug/plots").iterdir()} == {
         "loss.png", "throughput.png", "memory.png",
     }  # fmt: skip
     assert (tmp_path / "outputs/debug/logs/rank_0.log").is_file()
-    # The README's comparison: the same job again, and titan-compare on the two folders.
+    # The README's comparison: the same job twice (side by side), and titan-compare on the two.
     (compare,) = [line for line in lines if line.startswith("titan-compare ")]
-    assert run(again).returncode == 0
+    started = [
+        subprocess.Popen(shlex.split(line), cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+        for line in twice
+    ]  # fmt: skip
+    for proc in started:
+        assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
     done = run(compare)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "within tolerance 1e-05: loss" in done.stdout
-    assert (tmp_path / "compare.png").stat().st_size > 10_000
+    # The plot goes beside the runs, not into the folder the command was typed in.
+    assert "plot: outputs/first/compare.png" in done.stdout
+    assert (tmp_path / "outputs/first/compare.png").stat().st_size > 10_000
+    assert not (tmp_path / "compare.png").exists()
 
 
-def _recorder(folder: Path, name: str, body: str = "") -> None:
+def _recorder(folder: Path, name: str, body: str = "") -> Path:
     """A stand-in for a cluster tool: does `body`, else writes its arguments to $RECORD."""
     path = folder / name
     path.write_text(
         f'#!/usr/bin/env bash\n{body}\nprintf "%s\\n" "$@" > "$RECORD"\n'
-        'echo "LOG_RANK=${LOG_RANK:-}" > "$RECORD.env"\n'
+        'echo "LOG_RANK=${LOG_RANK:-} TITAN_DATA_CHECKED=${TITAN_DATA_CHECKED:-}" > "$RECORD.env"\n'
     )
     path.chmod(0o755)
+    return path
 
 
 def _launch(script: str, args: list[str], cwd: Path, tmp_path: Path, **env: str):
+    """Run a launch script with the cluster tools recorded. For run_train.sh, PYTHON is a
+    python whose `-m torch.distributed.run` (torchrun) is recorded and whose `--check` (the
+    checks before the ranks start, run for real by the tests of the README's commands) is
+    recorded and passes."""
     tools = tmp_path / "cluster-tools"
     tools.mkdir(exist_ok=True)
-    _recorder(tools, "torchrun")
+    python = _recorder(
+        tools,
+        "python-recorded",
+        'if [ "$1 $2" = "-m torch.distributed.run" ]; then shift 2; set -- torchrun "$@";\n'
+        f'elif [[ " $* " == *" --check "* ]]; then echo "$@" > "$RECORD.check"; exit 0;\n'
+        f'else exec {sys.executable} "$@"; fi',
+    )
     _recorder(tools, "scontrol", "echo node1; echo node2; exit 0")
     # srun runs `hostname --ip-address` on the head node first, then torchrun on every node.
     _recorder(tools, "srun", 'if [[ " $* " == *" hostname "* ]]; then echo 10.1.2.3; exit 0; fi')
     record = tmp_path / "launched"
-    record.unlink(missing_ok=True)
+    for old in (record, Path(f"{record}.check")):
+        old.unlink(missing_ok=True)
     done = subprocess.run(
         ["bash", str(shipped_root() / script), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={
             **os.environ,
             "PATH": f"{tools}:{BIN}:{os.environ['PATH']}",
             "RECORD": str(record),
+            "PYTHON": str(python),
             **env,
         },
     )
@@ -158,7 +183,9 @@ def test_run_train_sh_finds_the_config_from_any_folder(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert script == "apps/trainer/run_train.sh" and "--nproc_per_node=2" in launched
-    assert (tmp_path / "launched.env").read_text() == "LOG_RANK=0,1\n"
+    # The checks ran once, for the job's 2 processes, before torchrun; the ranks skip the data.
+    assert (tmp_path / "launched.env").read_text() == "LOG_RANK=0,1 TITAN_DATA_CHECKED=1\n"
+    assert (tmp_path / "launched.check").read_text().startswith("-m titan_trainer --check")
     own = tmp_path / "mine.toml"
     own.write_text("[training]\nsteps = 2\n")
     done, launched = _launch(
@@ -192,7 +219,8 @@ def test_multinode_sbatch_resolves_the_config_in_the_submission_folder(tmp_path)
         **slurm,
     )
     assert done.returncode == 0, done.stderr
-    assert launched[0] == "torchrun"
+    assert Path(launched[0]).name == "python-recorded"  # PYTHON, the same path on every node
+    assert launched[1:4] == ["-m", "torch.distributed.run", "--nnodes"]  # torchrun, per node
     assert _config_arg(launched) == str(shipped_configs()["llama3_70b"].resolve())
     assert "10.1.2.3:29500" in launched and launched[-2:] == ["--training.steps", "10"]
     # A user's own TOML, relative to the submission folder, arrives as an absolute path.

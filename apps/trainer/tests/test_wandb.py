@@ -92,6 +92,6 @@ def test_without_wandb_installed_enabling_it_stops_before_the_run(tmp_path):
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stderr.endswith(  # after torch's own import-time warnings, if any
         "titan: config error: [metrics] enable_wandb = true, but wandb is not installed\n"
-        "       pip install 'titan-llm-trainer[wandb]' (or uv sync --extra wandb), or turn it off\n"
+        "       pip install 'titan-llm-trainer[wandb]' (or in the workspace: uv sync --all-packages --inexact --extra wandb), or turn it off\n"
     )
     assert not (tmp_path / "run").exists()  # nothing started

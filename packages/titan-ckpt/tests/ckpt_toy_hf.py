@@ -3,12 +3,13 @@ of ckpt_toy under HF-style names, with one weight stored transposed to exercise 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from ckpt_toy import ToyModel
 
-from titan_core.protocols import ModelSpec
+from titan_core.protocols import HFSlice, ModelSpec
 
 _NAMES = {
     r"embed\.weight": "model.embed_tokens.weight",
@@ -71,3 +72,23 @@ TOY_SPEC = ModelSpec(
     build=lambda a: ToyModel(a.vocab_size, a.dim, a.n_layers),
     hf_adapter=ToyAdapter,
 )
+
+
+class SlicedToyAdapter(ToyAdapter):
+    """The same conversion box by box (`titan_core.protocols.SlicedHFAdapter`): a box of
+    `out.weight` is the transposed box of `lm_head.weight`."""
+
+    def to_hf_slices(self, name, shape, index, tensor):
+        hf = _hf_name(name)
+        if hf == "lm_head.weight":
+            return [(HFSlice(hf, shape[::-1], index[::-1]), tensor.t())]
+        return [(HFSlice(hf, shape, index), tensor)]
+
+    def from_hf_slice(self, name, shape, index, read):
+        hf = _hf_name(name)
+        if hf == "lm_head.weight":
+            return read(HFSlice(hf, shape[::-1], index[::-1])).t()
+        return read(HFSlice(hf, shape, index))
+
+
+SLICED_TOY_SPEC = dataclasses.replace(TOY_SPEC, hf_adapter=SlicedToyAdapter)

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from ckpt_toy import assert_same, build_run, full_model, full_optimizer, train
 
-from titan_ckpt import Checkpoint, CheckpointManager, CheckpointSaveError
+from titan_ckpt import Checkpoint, CheckpointManager, CheckpointSaveError, read_safetensors
+from titan_ckpt.cli import main as cli
 from titan_ckpt.layout import read_commit
 
 N = 3
@@ -166,6 +167,35 @@ def case_nan_in_one_ranks_shard_refuses_the_save_on_every_rank(work: Path) -> No
         raise AssertionError("the save with a NaN on rank 1 went through")
     manager.close()
     assert not (work / "nan-fsdp2" / "step-4").exists()
+
+
+HF_SPEC = "ckpt_toy_hf:SLICED_TOY_SPEC"
+
+
+def case_hf_conversions_on_2_ranks_write_what_one_process_writes(work: Path) -> None:
+    """`titan-ckpt convert` with the process group up (as under torchrun): each rank holds
+    half the rows of every tensor. dcp-to-hf writes, in several files, the tensors the
+    one-process export wrote (bitwise); hf-to-dcp writes a checkpoint both ranks wrote that
+    loads as the model that was saved."""
+    hf = ["--model", HF_SPEC, "--flavor", "tiny"]
+    step, hf_one = work / "ckpt1" / "step-2", work / "hf_one"
+    out = work / "hf_two"
+    assert cli(["convert", "dcp-to-hf", str(step), str(out), *hf, "--max-shard-gb", "1e-5"]) == 0
+    assert cli(["convert", "hf-to-dcp", str(hf_one), str(work / "dcp_two"), *hf]) == 0
+
+    one, two = read_safetensors(hf_one, progress=False), read_safetensors(out, progress=False)
+    assert one.keys() == two.keys(), (sorted(one), sorted(two))
+    assert all(torch.equal(one[k], two[k]) for k in one), "the 2 ranks' export differs"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2, index  # files both ranks wrote into
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (hf_one / "config.json").read_text()
+    )
+    assert read_commit(work / "dcp_two")["world_size"] == 2
+    fresh = build_run("fsdp", seed=9)
+    cfg = Checkpoint(enable=True, initial_load_path=str(work / "dcp_two"))
+    assert CheckpointManager(cfg, fresh.states(), work / "hf-run", dp_world_size=2).load() == 0
+    assert_same(_reference(work)["model"], full_model(fresh.model), "HF -> DCP on 2 ranks")
 
 
 def main(rank: int, world: int, init_file: str, work: str, cases: list[str]) -> None:

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from ckpt_toy import assert_same, build_run, full_model, full_optimizer, train
 
 from titan_ckpt import Checkpoint, CheckpointManager
+from titan_ckpt.cli import main as cli
 
 WORLD_2 = [
     "exact_resume_fsdp_async",
@@ -26,6 +27,7 @@ WORLD_2 = [
     "seed_checkpoint_loads_in_fsdp2",
     "corrupt_file_checked_by_rank_1_makes_every_rank_fall_back",
     "nan_in_one_ranks_shard_refuses_the_save_on_every_rank",
+    "hf_conversions_on_2_ranks_write_what_one_process_writes",
 ]
 WORLD_4 = [
     "exact_resume_hsdp",
@@ -55,6 +57,10 @@ def _write_sources(work: Path) -> None:
     seed.save(0, last_step=True)
     seed.close()
     torch.save(full_model(seed_run.model), work / "seed_weights.pt")
+
+    # The one-process Hugging Face export of step 2, which the 2 ranks' conversions must match.
+    hf = ["--model", dist_worker.HF_SPEC, "--flavor", "tiny"]
+    assert cli(["convert", "dcp-to-hf", str(work / "ckpt1" / "step-2"), str(work / "hf_one"), *hf]) == 0  # fmt: skip
 
 
 def _spawn(world: int, work: Path, cases: list[str]) -> dict[str, list[str]]:
@@ -146,3 +152,7 @@ def test_a_corrupt_file_found_by_one_rank_makes_every_rank_fall_back(results):
 
 def test_nan_in_one_ranks_shard_refuses_the_save_on_every_rank(results):
     _check(results, "nan_in_one_ranks_shard_refuses_the_save_on_every_rank")
+
+
+def test_hf_conversions_on_2_ranks_write_what_one_process_writes(results):
+    _check(results, "hf_conversions_on_2_ranks_write_what_one_process_writes")

@@ -331,3 +331,51 @@ def test_a_key_declared_with_allow_nonfinite_takes_inf_and_round_trips(tmp_path)
     path.write_text(to_toml(cfg))
     assert "limit = inf" in path.read_text()
     assert load_config(_LimitsRoot, toml_path=path) == cfg
+
+
+@dataclasses.dataclass
+class _ValuesTrain:
+    converters: list[str] = dataclasses.field(default_factory=list)
+    """Converters."""
+    kind: str = "new"
+    """Kind."""
+
+
+@dataclasses.dataclass
+class _ValuesRoot:
+    __config_compat__ = ConfigCompat(
+        values={"train.converters": {"old": "new.name"}, "train.kind": {"legacy": "new"}}
+    )
+    train: _ValuesTrain = dataclasses.field(default_factory=_ValuesTrain)
+
+
+def test_config_compat_reads_older_value_names_with_a_notice(tmp_path, caplog):
+    import logging
+
+    path = tmp_path / "v.toml"
+    path.write_text('[train]\nconverters = ["old", "other"]\nkind = "legacy"\n')
+    with caplog.at_level(logging.INFO, logger="titan"):
+        cfg = load_config(_ValuesRoot, toml_path=path)
+    assert cfg.train.converters == ["new.name", "other"] and cfg.train.kind == "new"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("titan")] == [
+        '[train] converters = "old" (from v.toml) is an older name; read as "new.name"',
+        '[train] kind = "legacy" (from v.toml) is an older name; read as "new"',
+    ]
+    cfg = load_config(_ValuesRoot, ["--train.converters", "other,old"])
+    assert cfg.train.converters == ["other", "new.name"]
+
+
+def test_a_boolean_is_turned_off_by_its_negated_flag():
+    for flag in ("--training.no-compile", "--training.no_compile", "--no-training.compile"):
+        cfg = load_config(Root, ["--training.compile", flag, "--training.steps", "3"])
+        assert cfg.training.compile is False and cfg.training.steps == 3, flag
+    # Only booleans: a negated name of anything else is an unknown key, as before.
+    assert "unknown key [training] no-steps" in config_error(Root, ["--training.no-steps", "3"])
+
+
+def test_a_config_error_from_a_worker_process_keeps_its_problems():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ConfigError(["one\nfix it", "two"])))
+    assert error.problems == ["one\nfix it", "two"]
+    assert str(error).count("titan: config error:") == 2

@@ -248,3 +248,26 @@ def test_a_folder_of_tokens_is_named_as_the_dataset_itself(tokens):
         ValueError, match="dataset_path .* is a folder of tokens; name it as the dataset"
     ):
         load_source("c4", str(tokens))
+
+
+def test_the_progress_bar_ends_with_the_shard_count_of_the_last_line(tmp_path, corpus, capfd):
+    manifest = tokenize_source(
+        dataset=corpus,
+        dataset_path=None,
+        tokenizer="byte",
+        out=str(tmp_path / "t"),
+        shard_tokens=2000,
+        workers=1,
+        progress=True,
+    )
+    shards = len(manifest["shards"])
+    assert shards > 2
+    bar = capfd.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert bar.endswith(f"{manifest['tokens']:,} tokens, {shards} shards]"), bar
+
+
+def test_help_gives_the_whole_first_paragraph_of_the_description(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "`titan-data info` describes such a folder." in text

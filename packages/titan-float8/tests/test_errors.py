@@ -9,7 +9,7 @@ from torch import nn
 from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
 from titan_core import ConfigError, ParallelDims, load_config, plugins, resolve
-from titan_float8 import Float8, build_float8_converter, float8_tp_styles
+from titan_float8 import Float8, build_float8_converter, float8_tp_styles, skip_reason
 from titan_float8.hardware import cuda_capability_problem
 
 
@@ -102,3 +102,20 @@ def test_a_bare_linear_is_refused():
 
 def test_entry_point_resolves_to_the_factory():
     assert resolve(plugins.CONVERTERS, "quantize.linear.float8") is build_float8_converter
+
+
+def test_torchtitans_auto_filter_switch_in_filter_fqns_turns_the_filter_on(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="titan"):
+        cfg = load_config(
+            Root, ["--quantize.linear.float8.filter_fqns", "output,auto_filter_small_kn"]
+        )
+    section = cfg.quantize.linear.float8
+    assert section.auto_filter_small_kn and section.filter_fqns == ["output"]
+    assert any("is torchtitan's switch" in r.getMessage() for r in caplog.records)
+    # A module named like the switch is not filtered by name any more: by size, it is.
+    small = nn.Linear(64, 64)
+    assert skip_reason(small, "layers.0.auto_filter_small_kn", section) == (
+        "N=64, K=64 too small for tensorwise Float8 to pay off (auto_filter_small_kn)"
+    )

@@ -83,6 +83,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         raise ConfigError(problems) from None
     problems += _expert_problems(config, dims)
     problems += _balance_problems(config)
+    problems += _tensor_parallel_problems(config, dims)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
@@ -211,6 +212,8 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
         changes["max_seq_len"] = config.training.seq_len
     if getattr(args, "moe", None) is not None:
         changes["moe"] = moe_balance_for(args.moe, config)
+    if config.model.n_mtp_layers is not None and "n_mtp_layers" in fields:
+        changes["n_mtp_layers"] = config.model.n_mtp_layers
     return dataclasses.replace(args, **changes)
 
 
@@ -225,8 +228,27 @@ def moe_balance_for(moe, config: JobConfig):
     return dataclasses.replace(moe, **changes)
 
 
+def _mtp_problems(config: JobConfig, spec) -> list[str]:
+    """`[model] n_mtp_layers` needs a family that has multi-token-prediction layers."""
+    wanted = config.model.n_mtp_layers
+    if wanted is None:
+        return []
+    if wanted < 0:
+        return [
+            f"[model] n_mtp_layers = {wanted} is not valid\nuse 0 (none) or more, or leave it"
+            " unset for the flavor's"
+        ]
+    args = spec.flavors[config.model.flavor]
+    if wanted and not any(f.name == "n_mtp_layers" for f in dataclasses.fields(args)):
+        return [
+            f"[model] n_mtp_layers = {wanted}: {config.model.name} has no multi-token-prediction"
+            " layers (deepseek_v3 has)\nleave n_mtp_layers unset for this model"
+        ]
+    return []
+
+
 def preflight_problems(
-    config: JobConfig, world_size: int, *, dry_run: bool = False
+    config: JobConfig, world_size: int, *, dry_run: bool = False, open_datasets: bool = False
 ) -> tuple[list[str], list[str], int]:
     """Every check that needs no process group and no memory: the config for this world size,
     the parallelize and pipeline configuration, the tokenizer and the datasets.
@@ -234,7 +256,8 @@ def preflight_problems(
     Returns (problems, notes, vocabulary size). A real run stops on any problem before it
     creates process groups. A dry run checks for the job's GPUs wherever it runs, and takes
     a missing tokenizer as a note (the cluster may hold the file), using the flavor's
-    vocabulary size instead.
+    vocabulary size instead. With `open_datasets` (once per job, not in a dry run) each
+    dataset's first document is read too: a hub dataset out of reach stops the job here.
     """
     import titan_parallel
 
@@ -258,27 +281,36 @@ def preflight_problems(
     spec = resolve(plugins.MODELS, config.model.name)
     data = resolve(plugins.DATA, config.training.data_plugin)
     vocab_size = getattr(spec.flavors[config.model.flavor], "vocab_size", 0)
-    tokenizer_path = config.model.hf_assets_path or config.model.tokenizer_path
+    tokenizer_path, note = config.model.tokenizer_source()
+    if note:
+        notes.append(note)
     try:
         vocab_size = data.build_tokenizer(tokenizer_path).vocab_size
     except Exception as e:  # any failure to load is the user's to see, with its reason
-        message = f"[model] tokenizer_path = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
+        key = (
+            "tokenizer_path" if tokenizer_path == config.model.tokenizer_path else "hf_assets_path"
+        )
+        message = f"[model] {key} = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
         if dry_run:
             notes.append(f"{message}; memory uses the flavor's vocabulary ({vocab_size:,})")
         else:
             problems.append(
-                message + "\npoint tokenizer_path at a tokenizer.json or tokenizer.model (or a"
+                message + f"\npoint {key} at a tokenizer.json or tokenizer.model (or a"
                 " folder holding one), or use byte"
             )
     else:
         problems += _hf_vocab_problems(config, tokenizer_path, vocab_size, notes)
-    problems += _dataset_problems(
-        data, "training", config.training.dataset, config.training.dataset_path, notes
-    )
+    datasets = [("training", config.training.dataset, config.training.dataset_path)]
     if config.validation.enable:
-        problems += _dataset_problems(
-            data, "validation", config.validation.dataset, config.validation.dataset_path, notes
-        )
+        datasets.append(("validation", config.validation.dataset, config.validation.dataset_path))
+    for section, dataset, path in datasets:
+        found = _dataset_problems(data, section, dataset, path, notes)
+        if not found and open_datasets:
+            found = _dataset_open_problems(data, section, dataset, path)
+        problems += found
+    mtp = _mtp_problems(config, spec)
+    if mtp:  # the checks below build the model
+        return problems + mtp, notes, vocab_size
     problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
     problems += _attention_problems(config, spec, vocab_size)
     problems += _context_parallel_problems(config, spec, dims, vocab_size)
@@ -331,6 +363,46 @@ def _dataset_problems(
     except (ValueError, FileNotFoundError, OSError) as e:
         return [f"[{section}] dataset = {dataset!r}: {_first_line(e)}"]
     return []
+
+
+def _dataset_open_problems(data, section: str, dataset: str, path: str | None) -> list[str]:
+    """The data plugin reads the dataset's first document (see `DataSpec.check_dataset`)."""
+    check = getattr(data, "check_dataset", None)
+    if check is None:
+        return []
+    try:
+        check(dataset, path)
+    except Exception as e:  # noqa: BLE001 - whatever a plugin raises, its message is the answer
+        text = str(e).strip() or type(e).__name__
+        named = text.startswith(f"dataset {dataset} ")  # titan-data's messages name it
+        return [f"[{section}] {text}" if named else f"[{section}] dataset = {dataset!r}: {text}"]
+    return []
+
+
+def _tensor_parallel_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """The model's tensor-parallel plan at this degree (heads, hidden sizes, experts' overlap),
+    read from the model built on the meta device: what `parallelize` would refuse later. The
+    vocabulary is padded to a multiple of 64 for any degree, so the flavor's own serves."""
+    import titan_parallel
+
+    if not dims.tp_enabled:
+        return []
+    try:
+        spec = resolve(plugins.MODELS, config.model.name)
+        args = spec.flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
+    with torch.device("meta"):
+        model = spec.build(args)
+    if not hasattr(model, "tp_plan"):
+        return []  # parallelize names what the model lacks
+    from titan_parallel.expert_parallel import tp_plan_overlaps
+
+    plan = model.tp_plan()
+    problems = titan_parallel.check_tp_plan(model, plan, dims.tp)
+    if titan_parallel.moe_layers(model):
+        problems += tp_plan_overlaps(model, plan)
+    return [f"{config.model.name} {config.model.flavor}: {problem}" for problem in problems]
 
 
 def _pipeline_problems(
@@ -467,43 +539,3 @@ def optimizer_state_copies(optimizer) -> float:
             copies = (3 if r.pnm else 2) * moment
         return copies + (1 if r.lookahead else 0)
     return 2 * moment
-
-
-def state_memory_problem(parts, device: torch.device, optimizer_states: float = 2) -> str | None:
-    """Whether this rank's persistent state alone (parameter shards, their gradients and
-    `optimizer_states` parameter-sized optimizer copies, counted from the meta-device model)
-    exceeds the memory the device has free. A cheap check before anything is allocated;
-    `--dry-run` gives the full picture."""
-    from torch.distributed.tensor import DTensor
-
-    from titan_core import MemoryMonitor
-
-    nbytes = 0
-    for part in parts:
-        for p in part.parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
-            nbytes += int(local.numel() * local.element_size() * (2 + optimizer_states))
-    stats = MemoryMonitor(device).stats()
-    free = _free_bytes(device, stats)
-    if nbytes <= free:
-        return None
-    gib = 1024**3
-    return (
-        f"this rank needs {nbytes / gib:.1f} GiB for its parameters, gradients and optimizer state"
-        f" alone, and {device.type} has {free / gib:.1f} GiB free\n"
-        "shard more (FSDP over more ranks, TP, PP), or plan a layout with --dry-run first"
-    )
-
-
-def _free_bytes(device: torch.device, stats) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(stats.total_gib * 1024**3)

@@ -6,6 +6,8 @@ running it: see `dry_run.py`.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from titan_trainer.shipped import describe_shipped, find_config_file
@@ -30,7 +32,15 @@ Also:
   titan-train --list-plugins         installed models, data packages, checkpointers, converters, optimizers
   titan-train ... --dry-run          simulate the job instead of running it: memory per rank on
                                      fake tensors, fit verdict, config/tokenizer/dataset/checkpoint
-                                     checks (same as --comm.mode fake_backend; see [dry_run])"""
+                                     checks (same as --comm.mode fake_backend; see [dry_run])
+  titan-train ... --check            the checks a run makes before it starts, for WORLD_SIZE
+                                     processes (config, tokenizer, each dataset's first document
+                                     read), then exit: 0 fine, 2 a problem. The launch scripts
+                                     run it once before torchrun starts the ranks"""
+
+DATA_CHECKED = "TITAN_DATA_CHECKED"
+"""Set to 1 by the launch scripts once `--check` has read the datasets, so that the ranks
+do not read them again."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "--dry-run" in args:
         args = [a for a in args if a != "--dry-run"] + ["--comm.mode", "fake_backend"]
+    check_only = "--check" in args
+    args = [a for a in args if a != "--check"]
     if "--list-plugins" in args:
         for group in plugins.GROUPS:
             found = available(group)
@@ -89,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from titan_trainer.logs import choose_console_ranks
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
-    problems, notes, _ = preflight_problems(config, world_size_from_env())
+    problems, notes, _ = preflight_problems(
+        config, world_size_from_env(), open_datasets=check_only or _reads_the_data_first()
+    )
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         return 2
@@ -97,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     from titan_trainer.comm import CollectiveError
     from titan_trainer.guards import NonFiniteStepError, StartupError
 
+    said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
     for note in notes:
-        get_logger("checks").info(note)
+        get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
+    if check_only:
+        return 0
     from titan_trainer.train import train
 
     try:
@@ -127,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     return {"SIGTERM": STOPPED_BY_SIGTERM, "SIGINT": STOPPED_BY_SIGINT}.get(
         result.stopped_by, FINISHED
     )
+
+
+def _reads_the_data_first() -> bool:
+    """Whether this process reads each dataset's first document before starting: once per
+    job (rank 0), unless a launch script's `--check` already did."""
+    return os.environ.get(DATA_CHECKED) != "1" and os.environ.get("RANK", "0") == "0"
 
 
 if __name__ == "__main__":

@@ -4,19 +4,31 @@
 
 prints, for each metric and each run against the first, the difference at the first and the
 last shared step and the largest one (with its step), draws the curves and their differences to
-a PNG (`--plot`, needs matplotlib), and with `--tolerance` exits 1 when a checked metric (those
-named with `--metric`, else loss) differs by more than that at any shared step: a CI check that
-two layouts train alike. Exit 2: a folder holds no scalars, or the runs share no step.
+a PNG (`--plot`, needs matplotlib; by default compare.png in the first run's folder), and with
+`--tolerance` exits 1 when a checked metric (those named with `--metric`, else loss) differs by
+more than that at any shared step: a CI check that two layouts train alike. Exit 2: a folder
+holds no scalars, or the runs share no step.
+
+A folder is a run's dump folder (or its TensorBoard folder): the newest run written there, with
+every resume of it. When another run used the same folder before, a note says which run is read;
+give that run's own folder (`<dump>/tb/<run id>`) to compare an older one.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Sequence
 
-from titan_trainer.plots import Series, matplotlib_missing, read_scalars, write_comparison_plot
+from titan_trainer.plots import (
+    Series,
+    matplotlib_missing,
+    read_event_folders,
+    runs_under,
+    write_comparison_plot,
+)
 
 
 class CompareError(Exception):
@@ -26,7 +38,15 @@ class CompareError(Exception):
 def load_runs(folders: Sequence[str]) -> dict[str, Series]:
     runs = {}
     for folder in folders:
-        series = read_scalars(folder)
+        found = runs_under(folder)
+        if len(found) > 1:  # unrelated runs in one dump folder: never merged
+            others = ", ".join(path for path, _ in found[:-1])
+            print(
+                f"titan-compare: {folder} holds {len(found)} runs; reading the newest,"
+                f" {found[-1][0]} (the others: {others})",
+                file=sys.stderr,
+            )
+        series = read_event_folders(found[-1][1]) if found else {}
         if not series:
             raise CompareError(
                 f"{folder} holds no TensorBoard scalars; give a run's dump folder (runs write "
@@ -103,6 +123,8 @@ def compare(args: argparse.Namespace) -> int:
             "the runs share no logged step; log at the same steps (metrics.log_freq)"
         )
     print(format_table(table, reference, args.relative))
+    if args.plot is None:  # beside the runs, not wherever the command was typed
+        args.plot = os.path.join(reference, "compare.png")
     if args.plot:
         why_not = matplotlib_missing()
         if why_not:
@@ -146,8 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--plot",
-        default="compare.png",
-        help="PNG to draw the curves and differences to (default compare.png; '' for none)",
+        "--out",
+        default=None,
+        help="PNG to draw the curves and differences to (default: compare.png in the first"
+        " run's folder; '' for none)",
     )
     parser.add_argument(
         "--tolerance",

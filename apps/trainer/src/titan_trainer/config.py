@@ -35,9 +35,10 @@ class Model:
     """`byte` (no asset needed), `llama3` (from the llama-models package), a path to a Hugging
     Face tokenizer.json (special tokens from the tokenizer_config.json beside it) or a tiktoken
     tokenizer.model, or a folder holding one (a model's Hugging Face download). Its vocabulary
-    sets the model's."""
+    sets the model's. Set to anything but `byte`, it wins over hf_assets_path (as in torchtitan)."""
     hf_assets_path: str | None = None
-    """Folder of Hugging Face assets; its tokenizer is used when set (torchtitan's newer key)."""
+    """Folder of Hugging Face assets (torchtitan's newer key); the tokenizer is read from it
+    unless tokenizer_path names another one."""
     converters: list[str] = field(default_factory=list)
     """Model converters applied before parallelism, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
@@ -56,6 +57,25 @@ class Model:
     without a BOS at the EOS ending the previous one), so that packed documents do not see each
     other. FlexAttention on CUDA, a dense mask elsewhere; the
     model's forward must take `document_ids` (titan-models' do). Not with context parallel."""
+    n_mtp_layers: int | None = None
+    """Multi-token-prediction layers (DeepSeek-V3's MTP modules: D layers after the blocks
+    that predict the tokens 2..D+1 positions ahead, trained with `[training]
+    mtp_loss_weight`, dropped for inference). Unset: the flavor's (deepseek_v3 debugmodel and
+    671B: 1); 0 trains without them. Only for a family that has them (deepseek_v3). Not with
+    context parallel."""
+
+    def tokenizer_source(self) -> tuple[str, str | None]:
+        """(what the tokenizer is loaded from, a note when two keys name one). tokenizer_path
+        when it is set to anything but `byte`, else hf_assets_path, else `byte`: torchtitan's
+        rule (its tokenizer_path, when set, replaces hf_assets_path)."""
+        if self.hf_assets_path is None:
+            return self.tokenizer_path, None
+        if self.tokenizer_path == "byte":
+            return self.hf_assets_path, None
+        return self.tokenizer_path, (
+            f"[model] tokenizer_path = {self.tokenizer_path!r} and hf_assets_path ="
+            f" {self.hf_assets_path!r} are both set: the tokenizer comes from tokenizer_path"
+        )
 
     def validate(self) -> list[str]:
         return [
@@ -209,6 +229,10 @@ class Training:
     """Seed for initialisation and data order; none picks 0."""
     deterministic: bool = False
     """Use deterministic kernels (slower)."""
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token-prediction loss (for a model with `[model] n_mtp_layers`):
+    loss = next-token loss + mtp_loss_weight x the mean of the D depths' losses. DeepSeek-V3
+    used 0.3 for its first 10T tokens, then 0.1. The logged loss is this sum."""
     dataloader: DataLoaderOptions = field(default_factory=DataLoaderOptions)
 
     def validate(self) -> list[str]:
@@ -228,11 +252,23 @@ class Training:
                 f"[training] max_nonfinite_in_a_row = {self.max_nonfinite_in_a_row} is not valid\n"
                 "use 0 (stop at the first) or the number of bad steps in a row to skip"
             )
+        if self.mtp_loss_weight < 0:
+            problems.append(
+                f"[training] mtp_loss_weight = {self.mtp_loss_weight} is not valid\n"
+                "use 0 or more (DeepSeek-V3: 0.3, then 0.1)"
+            )
         if self.max_norm < 0:
             problems.append(
                 f"[training] max_norm = {self.max_norm} is not valid\nuse 0 (off) or a positive norm"
             )
         return problems
+
+
+WANDB_MISSING = (
+    "[metrics] enable_wandb = true, but wandb is not installed\n"
+    "pip install 'titan-llm-trainer[wandb]' (or in the workspace: uv sync --all-packages --inexact"
+    " --extra wandb), or turn it off"
+)
 
 
 @dataclass
@@ -263,10 +299,7 @@ class Metrics:
             import importlib.util
 
             if importlib.util.find_spec("wandb") is None:
-                problems.append(
-                    "[metrics] enable_wandb = true, but wandb is not installed\n"
-                    "pip install 'titan-llm-trainer[wandb]' (or uv sync --extra wandb), or turn it off"
-                )
+                problems.append(WANDB_MISSING)
         return problems
 
 
@@ -378,6 +411,7 @@ class JobConfig:
         aliases=torchtitan_keys.ALIASES,
         unimplemented=torchtitan_keys.UNIMPLEMENTED,
         renamed=torchtitan_keys.RENAMED,
+        values=torchtitan_keys.VALUES,
     )
 
     job: Job = field(default_factory=Job)

@@ -6,8 +6,11 @@ last pipeline ranks, or all of them) is simulated in this one process: a fake pr
 the job's real world size, the model at its full size on fake tensors, the trainer's own
 parallelize path (pipeline stages, TP, AC, FSDP, Float8, CP), its initialisation, optimizer and
 one training step, measured by PyTorch's memory trackers (see
-`titan_parallel.memory_estimate`). Compile is simulated eagerly: compiled code needs the same
-or less memory. Nothing is allocated, nothing is downloaded.
+`titan_parallel.memory_estimate`). Compiled blocks and the compiled loss are traced and
+partitioned as inductor does, their intermediates fused away as its kernels would (see
+`titan_parallel.compiled_memory`); where CUDA's kernels keep less for backward than the CPU's,
+the step follows CUDA (`titan_parallel.cuda_kernels`). Nothing is allocated, nothing is
+downloaded.
 
 Exit status: 0 the job fits, 2 a config problem, 3 it does not fit.
 """
@@ -18,12 +21,14 @@ import concurrent.futures
 import contextlib
 import copy
 import gc
+import logging
 import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -110,11 +115,15 @@ def resolve_world_size(config: JobConfig) -> int | None:
 # ----------------------------------------------------------------------------- one rank
 
 
-def _simulation_config(config: JobConfig) -> JobConfig:
-    """The config the simulation runs: compile off (fake tensors cannot be compiled), async TP
-    off (CUDA only; its buffers are small)."""
+def _simulation_config(config: JobConfig, *, real_compile: bool = False) -> JobConfig:
+    """The config the simulation runs: compiled regions traced and partitioned as the compile
+    backend does but run eagerly (see `titan_parallel.compiled_memory`; `real_compile` keeps
+    the real backend), async TP off (CUDA only; its buffers are small)."""
+    from titan_parallel.compiled_memory import simulated_backend
+
     sim = copy.deepcopy(config)
-    sim.compile.enable = False
+    if not real_compile:
+        sim.compile.backend = simulated_backend(config.compile.backend)
     sim.parallelism.enable_async_tensor_parallel = False
     return sim
 
@@ -130,43 +139,72 @@ def rank_roles(config: JobConfig, world_size: int) -> list[tuple[str, int]]:
 
 
 def simulate_rank(
-    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str
+    config: JobConfig,
+    world_size: int,
+    rank: int,
+    vocab_size: int,
+    role: str,
+    *,
+    kernels: Literal["cuda", "cpu"] = "cuda",
 ) -> RoleResult:
     """Build, initialise and step rank `rank` of the job on fake tensors; its memory.
+    `kernels`: whose kernels' memory the step follows where CUDA's and the CPU's differ (see
+    `titan_parallel.cuda_kernels`): the job's GPUs, or the CPU (to compare with a CPU run).
 
     Runs in a fresh process: torch caches decisions about meshes and process groups (DTensor's
     redistribution plans) that would leak from one simulated rank into the next.
     """
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_simulate_rank_here, config, world_size, rank, vocab_size, role).result()
+        return pool.submit(
+            _simulate_rank_here, config, world_size, rank, vocab_size, role, kernels
+        ).result()
 
 
 def _simulate_rank_here(
-    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str
+    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str, kernels: str
 ) -> RoleResult:
     from titan_core import init_logging
 
     init_logging(rank=0)
+    # Dynamo's advice on compiling this model (the real run prints it too) is not the dry run's.
+    torch._logging.set_logs(dynamo=logging.ERROR)
     with fake_process_group(world_size, rank):
-        return measure_rank(config, world_size, vocab_size, role, fake=True)
+        return measure_rank(config, world_size, vocab_size, role, fake=True, kernels=kernels)
 
 
 def measure_rank(
-    config: JobConfig, world_size: int, vocab_size: int, role: str, *, fake: bool
+    config: JobConfig,
+    world_size: int,
+    vocab_size: int,
+    role: str,
+    *,
+    fake: bool,
+    kernels: Literal["cuda", "cpu"] = "cpu",
+    after_build: Callable[[ParallelRuntime, list], None] | None = None,
+    real_compile: bool = False,
 ) -> RoleResult:
     """This rank's memory for one training step of `config`, in a process group that exists
     (fake or real): the trainer's own build, initialisation, optimizer and step, measured by
     the memory tracker. With `fake`, every tensor is fake and nothing is allocated; without,
     the same runs for real (how the estimate is validated) and the process's resident-set
-    growth over the step is recorded too."""
+    growth over the step is recorded too. With `kernels = "cuda"` (fake tensors only),
+    operators whose CUDA kernels save less for backward than the CPU's run as on CUDA.
+    `after_build(runtime, parts)` may change the parts before they get memory (bench/
+    throughput.py's FSDP over one device, say). With `real_compile` (real tensors only) the
+    config's compile backend compiles for real, a first step compiles untracked, and only the
+    resident set measures inductor's buffers (the tracker does not see them all)."""
+    if kernels == "cuda" and not fake:
+        raise ValueError("CUDA kernels are emulated on fake tensors only")
+    if real_compile and fake:
+        raise ValueError("real compilation needs real tensors")
     from titan_trainer.train import (
         build_converters,
         build_model,
         cross_entropy_loss,
     )
 
-    config = _simulation_config(config)
+    config = _simulation_config(config, real_compile=real_compile)
     dims = parallel_dims_for(config, world_size)
     dims.build_mesh("cpu")
     dtype = target_compute_dtype(config.training.mixed_precision_param)
@@ -181,6 +219,8 @@ def measure_rank(
         _probe_stage_io(config, runtime, vocab_size, converters, fake) if dims.pp_enabled else None
     )
     parts = build_model(config, runtime, vocab_size, converters, stage_io)
+    if after_build is not None:
+        after_build(runtime, parts)
     with fake_tensors() if fake else contextlib.nullcontext():
         runtime.materialize(parts)
         init_peak = estimate_init_memory(parts, lambda: runtime.init_weights(parts))
@@ -189,9 +229,11 @@ def measure_rank(
         )
         _create_optimizer_state(parts, optimizer)
         step = _step_fn(config, runtime, parts, optimizer, vocab_size)
+        if real_compile:
+            step()  # compiles: the compiler's own memory is not the step's
         rss = None if fake else _RSSGrowth()
         resident = 0 if fake else resident_bytes(parts, optimizer)
-        with rss or contextlib.nullcontext():
+        with rss or contextlib.nullcontext(), _kernels(kernels):
             breakdown = estimate_step_memory(parts, optimizer, step, warmup_steps=0)
         shapes = _state_shapes(parts)
     return RoleResult(
@@ -202,6 +244,12 @@ def measure_rank(
         shapes,
         None if rss is None else resident + rss.growth,
     )
+
+
+def _kernels(kernels: str) -> contextlib.AbstractContextManager:
+    from titan_parallel.cuda_kernels import cuda_kernels
+
+    return cuda_kernels() if kernels == "cuda" else contextlib.nullcontext()
 
 
 class _RSSGrowth:
@@ -219,7 +267,8 @@ class _RSSGrowth:
 
 
 def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool):
-    """What pipeline stages pass each other, from a one-block copy of the model with the same
+    """What pipeline stages pass each other, from a one-block copy of the model (and the
+    blocks it runs after its output, multi-token prediction's) with the same
     parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
     spec = resolve(plugins.MODELS, config.model.name)
     with torch.device("meta"):
@@ -227,7 +276,8 @@ def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converter
     for converter in converters:
         converter.convert(probe)
     for name in list(probe.layers)[1:]:
-        del probe.layers[name]
+        if f"layers.{name}" not in probe.post_blocks:  # those run after the output: kept
+            del probe.layers[name]
     runtime.parallelize_part(probe)
     with fake_tensors() if fake else contextlib.nullcontext():
         runtime.materialize([probe])
@@ -341,7 +391,11 @@ def dry_run(config: JobConfig, out=print) -> int:
         return EXIT_CONFIG
 
     out(_header(config, world_size, capacity_text))
-    sim = simulate(config, world_size, vocab_size)
+    try:
+        sim = simulate(config, world_size, vocab_size)
+    except ConfigError as e:  # found only once the model meets its layout: said as the others
+        out(e.render())
+        return EXIT_CONFIG
     problems += _checkpoint_problems(config, sim, notes)
     out(_table(sim))
     headroom = config.dry_run.headroom_gib
@@ -354,7 +408,7 @@ def dry_run(config: JobConfig, out=print) -> int:
         )
     else:
         out(
-            f"verdict: does not fit by {worst + headroom - capacity:.1f} GiB"
+            f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
             f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
         )
     for note in notes:
@@ -373,6 +427,14 @@ def dry_run(config: JobConfig, out=print) -> int:
     return EXIT_FITS
 
 
+def gib_text(value: float) -> str:
+    """A size in GiB with the digits it needs: never "0.0" for an amount that is not zero."""
+    digits = 1
+    while round(value, digits) == 0 and value != 0 and digits < 4:
+        digits += 1
+    return f"{value:.{digits}f}"
+
+
 def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
     from titan_trainer.train import layout_text
 
@@ -384,11 +446,14 @@ def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
         extra.append(", ".join(config.model.converters))
     if dims.pp_enabled:
         extra.append(f"{config.parallelism.pipeline_parallel_schedule} schedule")
+    compiled = (
+        f"; compiled code as {config.compile.backend} runs it" if config.compile.enable else ""
+    )
     return (
         f"titan dry run: {config.model.name} {config.model.flavor} on {world_size} x {capacity_text}\n"
         f"layout {layout_text(dims)} | seq {t.seq_len} | local batch {t.local_batch_size}"
         f" | {dtype} | {' | '.join(extra)}\n"
-        "simulated on fake tensors of the real size (no memory used); compile runs eagerly here"
+        f"simulated on fake tensors of the real size (no memory used){compiled}"
     )
 
 

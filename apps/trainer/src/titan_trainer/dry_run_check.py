@@ -24,7 +24,10 @@ from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
 from titan_trainer.dry_run import RoleResult, rank_roles, simulate_rank
 
-# Small layouts of the debug model (fp32, no compile) whose peaks are compared.
+# Qwen3's debug mixture-of-experts model instead of Llama 3's debug model.
+_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+
+# Small layouts of the debug model (fp32) whose peaks are compared.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
     "FSDP 2": (2, []),
@@ -51,6 +54,21 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "FSDP 2 + AC full": (2, ["--activation_checkpoint.mode", "full"]),
     "FSDP 2 + AC selective op": (2, ["--activation_checkpoint.mode", "selective"]),
     "FSDP 2 + Float8": (2, ["--model.converters", "quantize.linear.float8"]),
+    # Compiled: the real run executes the simulation's partitioned graphs (see
+    # titan_parallel.compiled_memory), so the tracker sees what the simulation counts.
+    "FSDP 2 compiled": (2, ["--compile.enable"]),
+    "FSDP 2 + AC selective op compiled": (
+        2,
+        ["--activation_checkpoint.mode", "selective", "--compile.enable"],
+    ),
+    "MoE FSDP 2 + AC full compiled": (
+        2,
+        [*_MOE, "--activation_checkpoint.mode", "full", "--compile.enable"],
+    ),
+    "MoE EP 2 compiled": (
+        2,
+        [*_MOE, "--parallelism.expert_parallel_degree", "2", "--compile.enable"],
+    ),
 }
 
 
@@ -85,6 +103,9 @@ class Comparison:
     """Bytes at the step's peak, the same tracker on real tensors in a real process group."""
     measured_rss: int
     """Bytes at the step's peak by the operating system (resident set)."""
+    compiled_rss: int | None = None
+    """Compiled layouts, when asked: the resident set's peak of the same step compiled for real
+    by the config's backend (inductor), whose buffers the tracker does not all see."""
 
     @property
     def error(self) -> float:
@@ -96,7 +117,15 @@ class Comparison:
         return (self.predicted - self.measured_rss) / self.measured_rss
 
     def row(self) -> dict:
-        return {
+        compiled = {}
+        if self.compiled_rss is not None:
+            compiled = {
+                "compiled_rss_gib": round(self.compiled_rss / GiB, 4),
+                "compiled_rss_error_pct": round(
+                    100 * (self.predicted - self.compiled_rss) / self.compiled_rss, 2
+                ),
+            }
+        return compiled | {
             "layout": self.layout,
             "world_size": self.world_size,
             "role": self.role,
@@ -109,14 +138,19 @@ class Comparison:
 
 
 def compare_layout(
-    name: str, config: JobConfig, world_size: int, vocab_size: int
+    name: str, config: JobConfig, world_size: int, vocab_size: int, *, real_compile: bool = False
 ) -> list[Comparison]:
-    """Predicted and measured peaks of every rank role of `config` on `world_size` ranks."""
+    """Predicted and measured peaks of every rank role of `config` on `world_size` ranks; with
+    `real_compile` and compile on, also the resident set of the step compiled for real."""
     roles = rank_roles(config, world_size)
     predicted = {
-        rank: simulate_rank(config, world_size, rank, vocab_size, role) for role, rank in roles
+        rank: simulate_rank(config, world_size, rank, vocab_size, role, kernels="cpu")
+        for role, rank in roles
     }
     measured = measure_real(config, world_size, vocab_size)
+    compiled = None
+    if real_compile and config.compile.enable:
+        compiled = measure_real(config, world_size, vocab_size, real_compile=True)
     return [
         Comparison(
             name,
@@ -126,13 +160,17 @@ def compare_layout(
             predicted[rank].step.total,
             measured[rank].step.total,
             measured[rank].rss_peak,
+            None if compiled is None else compiled[rank].rss_peak,
         )
         for role, rank in roles
     ]
 
 
-def measure_real(config: JobConfig, world_size: int, vocab_size: int) -> dict[int, RoleResult]:
-    """Every rank's measured step memory, from `world_size` real gloo processes."""
+def measure_real(
+    config: JobConfig, world_size: int, vocab_size: int, *, real_compile: bool = False
+) -> dict[int, RoleResult]:
+    """Every rank's measured step memory, from `world_size` real gloo processes (compiled
+    regions compiled for real with `real_compile`, see `measure_rank`)."""
     parallel_dims_for(config, world_size)  # a bad layout fails here, not in the workers
     # glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap,
     # so the resident set would count memory no tensor holds; a fixed threshold returns large
@@ -143,7 +181,7 @@ def measure_real(config: JobConfig, world_size: int, vocab_size: int) -> dict[in
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(
                 _worker,
-                args=(world_size, config, vocab_size, tmp),
+                args=(world_size, config, vocab_size, tmp, real_compile),
                 nprocs=world_size,
                 start_method="spawn",
             )
@@ -158,7 +196,9 @@ def measure_real(config: JobConfig, world_size: int, vocab_size: int) -> dict[in
             os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
 
 
-def _worker(rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp: str) -> None:
+def _worker(
+    rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp: str, real_compile: bool
+) -> None:
     from titan_core import init_logging
     from titan_trainer.dry_run import measure_rank
 
@@ -168,7 +208,9 @@ def _worker(rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp:
         "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size
     )
     try:
-        result = measure_rank(config, world_size, vocab_size, f"rank {rank}", fake=False)
+        result = measure_rank(
+            config, world_size, vocab_size, f"rank {rank}", fake=False, real_compile=real_compile
+        )
         result.checkpoint_shapes = {}
         Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     finally:

@@ -1,9 +1,9 @@
 """When a job does not fit: the changes that would make it fit, each simulated.
 
 Candidates are tried in order of what they cost the run (recomputation first, then numerics,
-then smaller steps, then more communication, then more GPUs); each one that is valid for this
-model and layout is simulated on the rank that needed the most memory, and reported with its
-own peak.
+then smaller steps, then more communication: expert parallel for mixture-of-experts models,
+then TP and CP; then more GPUs); each one that is valid for this model and layout is simulated
+on the rank that needed the most memory, and reported with its own peak.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from titan_core import PluginError, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.checks import parallel_dims_for, preflight_problems
 from titan_trainer.config import JobConfig
@@ -77,6 +78,21 @@ def _trade_shard_for(key: str) -> Callable:
     return apply
 
 
+def _more_expert_parallel(config: JobConfig, world: int):
+    """Double expert parallel on a mixture-of-experts model: each rank holds half as many
+    experts (same world size; EP borrows its ranks from FSDP's)."""
+    try:
+        args = resolve(plugins.MODELS, config.model.name).flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return None
+    if getattr(args, "moe", None) is None:
+        return None
+    dims = parallel_dims_for(config, world)
+    changed = copy.deepcopy(config)
+    changed.parallelism.expert_parallel_degree = dims.ep * 2
+    return changed, world
+
+
 def _more_gpus(config: JobConfig, world: int):
     dims = parallel_dims_for(config, world)
     changed = copy.deepcopy(config)
@@ -89,6 +105,7 @@ CHANGES = [
     Change("activation checkpointing: full", _ac("full")),
     Change("Float8 linear layers (model.converters += quantize.linear.float8)", _float8),
     Change("half the local batch, same global batch (gradient accumulation)", _half_batch),
+    Change("expert parallel x2 (each rank holds half the experts)", _more_expert_parallel),
     Change("tensor parallel x2 (from the FSDP degree)", _trade_shard_for("tensor_parallel_degree")),
     Change(
         "context parallel x2 (from the FSDP degree)", _trade_shard_for("context_parallel_degree")
@@ -99,7 +116,7 @@ CHANGES = [
 
 def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: float, out) -> None:
     """Simulate each applicable change on the fullest rank role and print one line each."""
-    from titan_trainer.dry_run import simulate_rank
+    from titan_trainer.dry_run import gib_text, simulate_rank
 
     worst = sim.worst
     pp_index = _pp_index(config, sim.world_size, worst.rank)
@@ -117,7 +134,7 @@ def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: f
         role = simulate_rank(changed, world, rank, sim.vocab_size, worst.role)
         peak = role.peak / GiB
         free = capacity_gib - peak - headroom_gib
-        verdict = f"fits, {free:.1f} GiB free" if free >= 0 else f"short by {-free:.1f} GiB"
+        verdict = f"fits, {free:.1f} GiB free" if free >= 0 else f"short by {gib_text(-free)} GiB"
         out(f"  - {change.label}: peak {peak:.1f} GiB, {verdict}")
         if free >= 0 and best is None:
             best = change.label

@@ -84,7 +84,7 @@ def dcp_source(step: Path, tokenizer: str | None) -> Source:
     config = load_config(JobConfig, ["--job.config_file", str(saved)])
     spec = resolve(plugins.MODELS, config.model.name)
     data = resolve(plugins.DATA, config.training.data_plugin)
-    name = tokenizer or config.model.hf_assets_path or config.model.tokenizer_path
+    name = tokenizer or config.model.tokenizer_source()[0]
     vocab = data.build_tokenizer(name).vocab_size
     return Source(
         spec=spec,

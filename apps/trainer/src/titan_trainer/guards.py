@@ -13,6 +13,7 @@ which costs one synchronisation per step.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,9 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
                 dump, purpose="dump folder", hint="point --job.dump_folder at another folder"
             )
             ckpt = config.checkpoint
-            if ckpt.enable or ckpt.create_seed_checkpoint:
+            # A URL folder (s3://...) is the checkpointer's to probe: it writes a test object
+            # there when it is built, still before the first step.
+            if (ckpt.enable or ckpt.create_seed_checkpoint) and not _is_url(ckpt.folder):
                 check_writable(
                     os.path.join(dump, ckpt.folder),
                     purpose="checkpoint folder",
@@ -66,6 +69,12 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
             lock.release()
         raise error or RunFolderError("rank 0 could not claim the dump folder (see its log)")
     return lock
+
+
+def _is_url(folder: str) -> bool:
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", folder) is not None and not folder.startswith(
+        "file://"
+    )
 
 
 def build_checked_loader(data, section: str = "training", **kwargs):

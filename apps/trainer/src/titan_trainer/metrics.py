@@ -8,7 +8,13 @@ import time
 from dataclasses import dataclass, field
 
 from titan_core import get_logger
-from titan_trainer.plots import event_folders, matplotlib_missing, read_scalars, write_run_plots
+from titan_trainer.plots import (
+    event_folders,
+    mark_run,
+    matplotlib_missing,
+    read_event_folders,
+    write_run_plots,
+)
 
 log = get_logger("metrics")
 
@@ -91,13 +97,16 @@ class MetricsLogger:
         run_name: str | None = None,
         run_config: dict | None = None,
         plots_folder: str = "",
+        run_id: str = "",
     ):
         self.rank = rank
         self.writer = None
         self.wandb_run = None
         self._warned_mfu = False
         self.run_name = run_name or ""
+        # One folder per run (a resumed run keeps its id), one subfolder per start of it.
         self.tb_path = os.path.join(dump_folder, tb_folder)
+        self.run_path = os.path.join(self.tb_path, run_id) if run_id else self.tb_path
         # The end-of-run curves (rank 0), from this process's values when TensorBoard is off.
         self.plots = os.path.join(dump_folder, plots_folder) if plots_folder and rank == 0 else ""
         self.history: dict[str, dict[int, float]] = {}
@@ -107,7 +116,9 @@ class MetricsLogger:
         if enable_tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            path = os.path.join(self.tb_path, time.strftime("%Y%m%d-%H%M%S"))
+            if run_id:
+                mark_run(self.run_path, run_id)
+            path = os.path.join(self.run_path, time.strftime("%Y%m%d-%H%M%S"))
             self.writer = SummaryWriter(path)
             log.info("TensorBoard: tensorboard --logdir %s", os.path.join(dump_folder, tb_folder))
         if enable_wandb and rank == 0:
@@ -152,10 +163,12 @@ class MetricsLogger:
 
     def _write_plots(self) -> None:
         """loss, throughput and memory curves as PNG; of the whole run when TensorBoard holds
-        earlier starts of it (a resumed run), else of this process's steps."""
+        earlier starts of it (a resumed run), else of this process's steps. Never of another
+        run that used the same dump folder before."""
         try:
-            resumed = self.writer is not None and len(event_folders(self.tb_path)) > 1
-            series = read_scalars(self.tb_path) if resumed else self.history
+            starts = event_folders(self.run_path) if self.writer is not None else []
+            resumed = len(starts) > 1
+            series = read_event_folders(starts) if resumed else self.history
             written = write_run_plots(series, self.plots, self.run_name)
         except Exception as e:  # the run itself went well: say so, do not fail it here
             log.warning("plots: could not draw the curves into %s: %s", self.plots, e)

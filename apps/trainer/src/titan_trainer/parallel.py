@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import titan_parallel
 from titan_core import ParallelDims, get_logger
+from titan_trainer.loss import with_mtp
 from titan_trainer.precision import DTYPES
 
 log = get_logger("parallel")
@@ -227,7 +228,9 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 
 def build_parallel_runtime(config, dims, device, dtype, seed, loss_fn) -> ParallelRuntime:
-    """The runtime for this layout; the loss is compiled when [compile] lists "loss"."""
+    """The runtime for this layout; the loss is compiled when [compile] lists "loss", and
+    takes a multi-token-prediction model's logits of every depth (`titan_trainer.loss`)."""
+    compiled = titan_parallel.compile_loss(loss_fn, config.compile)
     return ParallelRuntime(
-        config, dims, device, dtype, seed, titan_parallel.compile_loss(loss_fn, config.compile)
+        config, dims, device, dtype, seed, with_mtp(compiled, config.training.mtp_loss_weight)
     )

@@ -1,15 +1,21 @@
 """A run's scalars read back from its TensorBoard events, and drawn as PNG curves.
 
-`read_scalars(folder)` reads every event file under a run folder (a resumed run writes one
-TensorBoard folder per start; a later value of a step replaces an earlier one). The curves need
-matplotlib (`pip install 'titan-llm-trainer[plots]'`); without it `matplotlib_missing()` says so and
-nothing is drawn. Nothing here imports torch.
+A run writes its events under `<tb folder>/<run id>/<start time>/`: a fresh run gets a new run
+id, a resumed one keeps the id its checkpoint carries, so a run and its resumes form one
+series and an unrelated run started later in the same dump folder another (`titan_run.json`
+marks each run's folder). `read_scalars(folder)` reads the newest run under a folder (a dump
+folder, its TensorBoard folder, or one run's folder), every start of it (a later value of a
+step replaces an earlier one); event files written before run ids count as one run. The
+curves need matplotlib (`pip install 'titan-llm-trainer[plots]'`); without it
+`matplotlib_missing()` says so and nothing is drawn. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 
 Series = dict[str, dict[int, float]]
@@ -17,7 +23,8 @@ Series = dict[str, dict[int, float]]
 
 MATPLOTLIB_MISSING = (
     "matplotlib is not installed, so no PNG curves are drawn "
-    "(pip install 'titan-llm-trainer[plots]', or uv sync --extra plots)"
+    "(pip install 'titan-llm-trainer[plots]', or in the workspace: uv sync --all-packages"
+    " --inexact --extra plots)"
 )
 
 # The curves at the end of every run: file name -> (title, metrics drawn, y label).
@@ -42,15 +49,64 @@ def event_folders(folder: str) -> list[str]:
     )
 
 
+RUN_MARKER = "titan_run.json"
+"""In each run's TensorBoard folder: the run id and when it started."""
+
+
+def mark_run(run_folder: str, run_id: str) -> None:
+    """Mark `run_folder` as the TensorBoard folder of run `run_id` (once, by its first start)."""
+    path = os.path.join(run_folder, RUN_MARKER)
+    if not os.path.exists(path):
+        os.makedirs(run_folder, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+
+
+def runs_under(folder: str) -> list[tuple[str, list[str]]]:
+    """(run folder, its event folders) of every run under `folder`, the newest (by its last
+    event file) last. Event folders in no marked run folder form one run, named `folder`."""
+    groups: dict[str, list[str]] = {}
+    for path in event_folders(folder):
+        groups.setdefault(_run_folder(path, folder), []).append(path)
+    return sorted(groups.items(), key=lambda item: max(map(_newest_event, item[1])))
+
+
+def _run_folder(path: str, top: str) -> str:
+    """The nearest folder from `path` up to (not including) `top` that holds RUN_MARKER, else
+    `top`. `path` lies under `top` (as `event_folders` gives it)."""
+    top, here = os.path.normpath(top), os.path.normpath(path)
+    while len(here) > len(top):
+        if os.path.isfile(os.path.join(here, RUN_MARKER)):
+            return here
+        here = os.path.dirname(here)
+    return top
+
+
+def _newest_event(folder: str) -> float:
+    return max(
+        os.path.getmtime(os.path.join(folder, f))
+        for f in os.listdir(folder)
+        if f.startswith("events.out.tfevents.")
+    )
+
+
 def read_scalars(folder: str) -> Series:
-    """Every scalar of every event file under `folder`, by metric and step."""
+    """Every scalar of the newest run under `folder` (see the module docstring), by metric
+    and step."""
+    runs = runs_under(folder)
+    return read_event_folders(runs[-1][1]) if runs else {}
+
+
+def read_event_folders(folders: Sequence[str]) -> Series:
+    """Every scalar of the event files in `folders`, by metric and step; a later value of a
+    step (a resumed start's) replaces an earlier one."""
     from tensorboard.backend.event_processing.event_accumulator import (
         SCALARS,
         EventAccumulator,
     )
 
     rows: list[tuple[float, str, int, float]] = []
-    for path in event_folders(folder):
+    for path in folders:
         events = EventAccumulator(path, size_guidance={SCALARS: 0})  # 0: keep every value
         events.Reload()
         for tag in events.Tags()["scalars"]:

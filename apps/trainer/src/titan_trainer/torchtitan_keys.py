@@ -7,6 +7,12 @@ unchanged (read from torchtitan's `JobConfig` as of its last TOML-based release,
   loads, with one warning line naming them.
 - `RENAMED`: names torchtitan used before and later renamed; setting one is an error that
   names the key to use instead.
+- `VALUES`: torchtitan's older names of values (its converter `float8`); read as Titan's,
+  with a one-line notice.
+
+Handled where their meaning lives: `filter_fqns = ["auto_filter_small_kn"]` (torchtitan's
+switch; titan-float8's section), `dataset = "c4_test"` / `"c4_validation"` (titan-data's
+dataset names), `hf_assets_path` next to `tokenizer_path` (`Model.tokenizer_source`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ UNIMPLEMENTED: frozenset[str] = frozenset(
         "experimental.custom_args_module",
         "experimental.custom_import",
         "fault_tolerance.process_group",
+        # torchtitan's fault-tolerance module (job.custom_config_module): streaming DiLoCo's
+        # fragments, which Titan's DiLoCo does not split the model into.
+        "fault_tolerance.fragment_sync_delay",
+        "fault_tolerance.fragment_update_alpha",
+        "fault_tolerance.module_fqns_per_model_fragment",
+        "fault_tolerance.num_fragments",
+        "fault_tolerance.should_quantize",
         "job.custom_config_module",
         "job.save_config_file",
         "lr_scheduler.total_steps",
@@ -100,4 +113,10 @@ RENAMED: dict[str, str] = {
     "training.tensor_parallel_degree": "parallelism.tensor_parallel_degree",
     "training.warmup_steps": "lr_scheduler.warmup_steps",
     "validation.enabled": "validation.enable",
+}
+
+VALUES: dict[str, dict[str, str]] = {
+    # torchtitan's converter registry named Float8 `float8` before it became
+    # `quantize.linear.float8` (its 405B config still says `float8`).
+    "model.converters": {"float8": _FLOAT8},
 }

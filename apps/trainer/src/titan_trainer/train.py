@@ -12,9 +12,11 @@ through titan-core's plugin registry; this file only composes them. `prepare` bu
 
 from __future__ import annotations
 
+import dataclasses
 import gc
-import inspect
+import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterator
@@ -22,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from titan_core import (
@@ -30,6 +31,7 @@ from titan_core import (
     DistInfo,
     MemoryMonitor,
     ParallelDims,
+    build_hf_adapter,
     config_to_dict,
     get_logger,
     init_distributed,
@@ -41,12 +43,12 @@ from titan_core import (
     to_toml,
 )
 from titan_core.distributed import destroy_distributed
+from titan_trainer import memory_check
 from titan_trainer.checks import (
     block_causal_device_problem,
     model_args_for,
     optimizer_state_copies,
     parallel_dims_for,
-    state_memory_problem,
 )
 from titan_trainer.comm import (
     dump_trace,
@@ -72,6 +74,7 @@ from titan_trainer.guards import (
 )
 from titan_trainer.loader_state import checkpointed_loader, plugin_kwargs
 from titan_trainer.logs import rank_logging
+from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.optimizer import build_optimizer, current_lr
@@ -89,16 +92,37 @@ class TrainState:
 
     step: int = 0
     tokens_seen: int = 0
+    run_id: str = field(default_factory=lambda: new_run_id())
+    """Names the run's series of metrics: new for a fresh run, kept (from the checkpoint) by
+    its resumes, so that a later run in the same dump folder is never drawn as its sequel."""
     losses: list[float] = field(default_factory=list)
     """Loss per step in this process's lifetime, read back at logging steps (not checkpointed;
     for tests and summaries)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "run_id": self.run_id}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
+        # Checkpoints written before run ids carry none: their resume starts a series.
+        self.run_id = str(state.get("run_id", self.run_id))
+
+
+def shared_run_id() -> str:
+    """A new run id, rank 0's on every rank (any rank's copy may be the one a checkpoint keeps)."""
+    import torch.distributed as dist
+
+    run_id = [new_run_id()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(run_id, src=0)
+    return run_id[0]
+
+
+def new_run_id() -> str:
+    """`20251123-103511-4f2a`: when the run started, and 16 random bits for runs started in
+    the same second."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 @dataclass
@@ -110,11 +134,6 @@ class TrainResult:
     stopped_by: str | None = None
     """What stopped the run before its last step: "SIGTERM" (after saving a checkpoint when
     checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
 def build_converters(config: JobConfig, dims: ParallelDims) -> list:
@@ -209,7 +228,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     dims, dtype, seed = set_up_layout(config, info)
     resolved_toml = write_resolved_config(config, info.rank)
     data = resolve(plugins.DATA, config.training.data_plugin)
-    tokenizer = data.build_tokenizer(config.model.hf_assets_path or config.model.tokenizer_path)
+    tokenizer = data.build_tokenizer(config.model.tokenizer_source()[0])
 
     runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
     if config.model.attn_mask_type == "block_causal":  # documents start at BOS
@@ -219,9 +238,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
         runtime.document_start_id = tokenizer.bos_id
     converters = build_converters(config, dims)
     parts = build_model(config, runtime, tokenizer.vocab_size, converters)
-    problem = state_memory_problem(parts, info.device, optimizer_state_copies(config.optimizer))
-    if problem:  # before anything is allocated: this job cannot hold its state here
-        raise ConfigError(problem)
+    check_memory(config, parts, dims, tokenizer.vocab_size, info.device, runtime.dtype)
     runtime.materialize(parts)
 
     loader = build_loader(config, data, tokenizer, dims)
@@ -229,7 +246,7 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
         parts, config.optimizer, total_steps=config.training.steps, dims=dims
     )
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
-    state = TrainState()
+    state = TrainState(run_id=shared_run_id())
     # Before the checkpoint is loaded: the replica group's step count is part of it.
     replicas = build_replica_group(config, info, parts, optimizer, lr_scheduler, state)
     semi_sync = build_semi_sync(replicas, parts)
@@ -257,6 +274,22 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     if semi_sync is not None and not semi_sync.loaded:  # DiLoCo starts from these weights
         semi_sync.snapshot()
     return run
+
+
+def check_memory(config: JobConfig, parts, dims: ParallelDims, vocab_size: int, device, dtype):
+    """Before anything is allocated: stop a job whose state and activations cannot fit in the
+    memory this rank has free (on a CPU, with the other ranks on this host), warn when they
+    may not."""
+    need = memory_check.rank_need(
+        config, parts, dims, vocab_size, device, dtype, optimizer_state_copies(config.optimizer)
+    )
+    problem, warning = memory_check.memory_problem(
+        config, memory_check.host_needs(need, device), device
+    )
+    if problem:
+        raise ConfigError(problem)
+    if warning:
+        log.warning(warning)
 
 
 def set_up_layout(config: JobConfig, info: DistInfo) -> tuple[ParallelDims, torch.dtype, int]:
@@ -331,10 +364,15 @@ def build_checkpointer(
         return None
     factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
     # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names;
-    # the exported config.json carries the vocabulary and the BOS/EOS ids of the tokenizer.
+    # its config.json the model's own context length and the tokenizer's BOS/EOS.
     spec = resolve(plugins.MODELS, config.model.name)
     hf_adapter = (
-        build_hf_adapter(spec, model_args_for(spec, config, tokenizer.vocab_size), tokenizer)
+        build_hf_adapter(
+            spec,
+            hf_model_args(spec, config, tokenizer.vocab_size),
+            bos_token_id=tokenizer.bos_id,
+            eos_token_id=tokenizer.eos_id,
+        )
         if spec.hf_adapter
         else None
     )
@@ -349,16 +387,15 @@ def build_checkpointer(
     )
 
 
-def build_hf_adapter(spec, args, tokenizer):
-    """The model's HF adapter, given the tokenizer's BOS/EOS ids for the config.json it
-    writes when it takes them (titan-models' adapters do; `ModelSpec.hf_adapter`)."""
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    try:
-        params = inspect.signature(spec.hf_adapter).parameters
-    except (TypeError, ValueError):  # a callable without a signature: only args
-        return spec.hf_adapter(args)
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    return spec.hf_adapter(args, **{k: v for k, v in ids.items() if takes_all or k in params})
+def hf_model_args(spec, config: JobConfig, vocab_size: int):
+    """The model's arguments as a Hugging Face `config.json` states them: the run's (padded)
+    vocabulary, and the flavor's own context length as `max_position_embeddings` rather than
+    the run's `training.seq_len` (the rotary table's length while training)."""
+    args = model_args_for(spec, config, vocab_size)
+    own = spec.flavors[config.model.flavor]
+    if hasattr(own, "max_seq_len"):
+        args = dataclasses.replace(args, max_seq_len=max(own.max_seq_len, args.max_seq_len))
+    return args
 
 
 def _pipeline_microbatches(runtime) -> int:
@@ -386,13 +423,9 @@ def note_torchrun_restart(run: Run, loaded: int | None) -> None:
     done, allowed = torchrun_restarts()
     if not allowed:
         return
-    if run.checkpointer is None:
-        log.warning(
-            "torchrun may restart this job %d time(s) (--max-restarts), but [checkpoint] enable"
-            " = false: a restart trains again from step 0; turn checkpoints on so that one"
-            " loses at most [checkpoint] interval steps",
-            allowed,
-        )
+    notice = restart_notice(allowed, run.checkpointer is not None, run.replicas is not None)
+    if notice is not None:
+        log.log(*notice)
     if done:
         log.warning(
             "torchrun restart %d of %d: training goes on from step %d (%s)",
@@ -401,6 +434,28 @@ def note_torchrun_restart(run: Run, loaded: int | None) -> None:
             run.state.step,
             "the newest complete checkpoint" if loaded else "no checkpoint to resume from",
         )
+
+
+def restart_notice(
+    allowed: int, checkpointing: bool, fault_tolerance: bool
+) -> tuple[int, str] | None:
+    """(log level, text) of what a torchrun restart of this job will start from, when that
+    is worth saying: without checkpoints a restart starts over, unless a live replica group
+    (fault tolerance) hands the restarted group its step."""
+    if checkpointing:
+        return None
+    if fault_tolerance:
+        return logging.INFO, (
+            f"torchrun may restart this replica group {allowed} time(s) (--max-restarts); without"
+            " checkpoints a restarted group receives the weights, optimizer state and step from a"
+            " live replica group, and the job starts over from step 0 only if every group is lost"
+            " at once ([checkpoint] enable = true covers that too)"
+        )
+    return logging.WARNING, (
+        f"torchrun may restart this job {allowed} time(s) (--max-restarts), but [checkpoint]"
+        " enable = false: a restart trains again from step 0; turn checkpoints on so that one"
+        " loses at most [checkpoint] interval steps"
+    )
 
 
 def write_seed_checkpoint(run: Run) -> TrainResult:
@@ -479,6 +534,7 @@ def run_steps(run: Run) -> TrainResult:
             run_name=config.job.description,
             run_config=config_to_dict(config),
             plots_folder=config.metrics.save_plots_folder,
+            run_id=run.state.run_id,
         ),
         StepTimer(),
         MemoryMonitor(run.info.device),

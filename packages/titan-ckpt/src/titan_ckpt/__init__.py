@@ -14,12 +14,14 @@ from titan_ckpt.dcp_io import (
 )
 from titan_ckpt.errors import CheckpointLoadError, CheckpointSaveError
 from titan_ckpt.hf import export_hf, import_hf, read_safetensors
+from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
 from titan_ckpt.layout import list_checkpoints
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.plugin import build_checkpointer
 from titan_ckpt.preflight import check_loadable, check_space
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.states import ModelState, OptimizerState
+from titan_ckpt.storage import StorageUnavailableError
 
 __version__ = importlib.metadata.version("titan-llm-ckpt")  # the pyproject's version, one source
 
@@ -31,17 +33,20 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "UnsafeCheckpointError",
+    "StorageUnavailableError",
     "build_checkpointer",
     "checkpoint_problems",
     "dcp_to_torch_file",
     "export_hf",
     "import_hf",
     "list_checkpoints",
+    "load_hf_weights",
     "load_consolidated",
     "nonfinite_tensors",
     "value_problems",
     "ModelState",
     "OptimizerState",
     "read_safetensors",
+    "save_hf_weights",
     "save_model_checkpoint",
 ]

@@ -6,6 +6,14 @@ safetensors and single torch files.
     titan-ckpt convert dcp-to-hf   OUTPUTS/checkpoint/step-1000 hf_out --model llama3 --flavor 8B
     titan-ckpt convert hf-to-dcp   hf_in  step-0 --model llama3 --flavor 8B
     titan-ckpt convert dcp-to-torch OUTPUTS/checkpoint/step-1000 model.pt --model-only
+
+`dcp-to-hf` and `hf-to-dcp` also run on several processes, each holding 1/N of every tensor
+and reading and writing only those parts of the files:
+
+    torchrun --nproc-per-node 8 --no-python titan-ckpt convert dcp-to-hf step-1000 hf_out
+
+A checkpoint or folder may be a URL (s3://bucket/run/checkpoint, any fsspec storage; for S3,
+`pip install 'titan-llm-ckpt[s3]'`, and AWS_ENDPOINT_URL for an S3-compatible server).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import os
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -20,21 +29,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from titan_ckpt import layout
+from titan_ckpt.convert import dcp_to_hf, hf_to_dcp
 from titan_ckpt.dcp_io import (
     checkpoint_keys,
     checkpoint_problems,
     dcp_to_torch_file,
-    load_consolidated,
-    save_model_checkpoint,
     value_problems,
 )
-from titan_ckpt.hf import DTYPES, export_hf, import_hf
+from titan_ckpt.hf import DTYPES
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
-from titan_core.plugins import MODELS, PluginError, resolve
-from titan_core.protocols import HFAdapter, ModelSpec
+from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
+from titan_core.plugins import DATA, MODELS, PluginError, resolve
+from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
 
 class CliError(Exception):
@@ -70,13 +80,15 @@ def _flavor_args(model: str, flavor: str | None, overrides: Sequence[str]) -> tu
 
 def _checkpoint_args(spec: ModelSpec, args: Any, ckpt: Path, given: set[str]) -> Any:
     """The flavor's arguments as the checkpoint's model was built: the vocabulary size of its
-    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's) and the
-    sequence length of its saved config, unless given with --set."""
+    tensors (a trainer pads the tokenizer's vocabulary, so it is not the flavor's), unless
+    given with --set. The context length (`max_position_embeddings`) stays the flavor's own,
+    or the run's sequence length where that is longer: a run trained on short samples does
+    not shorten the model's positions."""
     fields = {f.name for f in dataclasses.fields(args)}
     changes: dict[str, Any] = {}
     seq_len = _saved_config(ckpt).get("training", {}).get("seq_len")
     if "max_seq_len" in fields and "max_seq_len" not in given and isinstance(seq_len, int):
-        changes["max_seq_len"] = seq_len
+        changes["max_seq_len"] = max(seq_len, args.max_seq_len)
     if "vocab_size" in fields and "vocab_size" not in given:
         vocab = _vocab_of_tensors(spec, args, checkpoint_keys(ckpt))
         if vocab is not None:
@@ -120,6 +132,32 @@ def _saved_config(ckpt: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text()) if path.is_file() else {}
 
 
+def _token_ids(ckpt: Path) -> tuple[int | None, int | None]:
+    """BOS and EOS ids of the tokenizer the run trained with, for config.json: its saved config
+    names the tokenizer and the data plugin that builds it (found by name, as the trainer
+    finds it). (None, None), with a note, when it cannot be built here."""
+    saved = _saved_config(ckpt)
+    if not saved:
+        return None, None
+    model = saved.get("model", {})
+    # The trainer's rule: tokenizer_path unless it is left at `byte` and hf_assets_path is set.
+    name = model.get("tokenizer_path", "byte")
+    if name == "byte" and model.get("hf_assets_path"):
+        name = model["hf_assets_path"]
+    plugin = saved.get("training", {}).get("data_plugin", "titan")
+    try:
+        tokenizer = resolve(DATA, plugin).build_tokenizer(name)
+    except Exception as e:  # noqa: BLE001 - a tokenizer file not on this machine: say so
+        print(
+            f"titan-ckpt: note: the run's tokenizer {name!r} cannot be loaded here"
+            f" ({str(e).splitlines()[0] if str(e) else type(e).__name__}); config.json gets"
+            " no bos_token_id/eos_token_id",
+            file=sys.stderr,
+        )
+        return None, None
+    return tokenizer.bos_id, tokenizer.eos_id
+
+
 def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
     """[model] name and flavor from the resolved config saved in the checkpoint, if any."""
     model = _saved_config(ckpt).get("model", {})
@@ -127,7 +165,7 @@ def _model_from_config(ckpt: Path) -> tuple[str | None, str | None]:
 
 
 def _dcp_to_hf(a: argparse.Namespace) -> None:
-    ckpt = Path(a.checkpoint)
+    ckpt = as_path(a.checkpoint)
     _require_checkpoint(ckpt)
     saved_name, saved_flavor = _model_from_config(ckpt)
     name = a.model or saved_name
@@ -137,27 +175,31 @@ def _dcp_to_hf(a: argparse.Namespace) -> None:
         )
     spec, args = _flavor_args(name, a.flavor or saved_flavor, a.set)
     given = {_parse_override(o)[0] for o in a.set}
-    adapter = spec.hf_adapter(_checkpoint_args(spec, args, ckpt, given))
-    state = load_consolidated(ckpt, "model.")
-    files = export_hf(
-        state, adapter, a.out, dtype=a.dtype, max_shard_bytes=int(a.max_shard_gb * 2**30)
+    bos, eos = _token_ids(ckpt)
+    adapter = build_hf_adapter(
+        spec, _checkpoint_args(spec, args, ckpt, given), bos_token_id=bos, eos_token_id=eos
     )
-    print(f"wrote {len(files)} files to {a.out}")
+    files = dcp_to_hf(
+        ckpt,
+        a.out,
+        adapter,
+        dtype=a.dtype,
+        max_shard_bytes=int(a.max_shard_gb * 2**30),
+        progress=_rank() == 0,
+    )
+    _say(f"wrote {len(files)} files to {a.out}")
 
 
 def _hf_to_dcp(a: argparse.Namespace) -> None:
     adapter = build_adapter(a.model, a.flavor, a.set)
-    state = import_hf(a.hf_folder, adapter)
-    if a.dtype:
-        state = {k: v.to(DTYPES[a.dtype]) if v.is_floating_point() else v for k, v in state.items()}
-    out = save_model_checkpoint(state, a.out, step=a.step)
-    print(
+    out = hf_to_dcp(a.hf_folder, a.out, adapter, dtype=a.dtype, step=a.step, progress=_rank() == 0)
+    _say(
         f"wrote model-only checkpoint {out} (use it as [checkpoint] initial_load_path, or as step-{a.step} of a run)"
     )
 
 
 def _dcp_to_torch(a: argparse.Namespace) -> None:
-    ckpt = Path(a.checkpoint)
+    ckpt = as_path(a.checkpoint)
     _require_checkpoint(ckpt)
     dcp_to_torch_file(ckpt, a.out, model_only=a.model_only)
     print(f"wrote {a.out} (load with torch.load(path, weights_only=True))")
@@ -185,7 +227,7 @@ def _list(a: argparse.Namespace) -> None:
 
 def _verify(a: argparse.Namespace) -> int:
     """Check checkpoints offline, as a resume does, every byte: exit 1 if any fails."""
-    target = Path(a.path)
+    target = as_path(a.path)
     unmarked: list[Path] = []
     if (target / layout.COMMIT_FILE).exists():
         paths = [target]
@@ -234,12 +276,17 @@ def _step_order(path: Path) -> tuple[int, str]:
 
 
 def _require_checkpoint(path: Path) -> None:
-    """A complete checkpoint whose files pass their checksums (see `verify`)."""
+    """A complete checkpoint whose files pass their checksums (see `verify`); under torchrun
+    each rank checks its share of the files."""
     if not layout.is_complete(path):
         raise CliError(
             f"{path} is not a complete checkpoint folder (no {layout.COMMIT_FILE} or .metadata)"
         )
-    problems = checkpoint_problems(path)
+    problems = checkpoint_problems(path, _rank(), _world())
+    if _world() > 1:
+        parts: list[list[str] | None] = [None] * _world()
+        dist.all_gather_object(parts, problems)
+        problems = [p for part in parts for p in part or []]
     if problems:
         raise CliError(f"{path} failed verification: " + "; ".join(problems))
 
@@ -319,13 +366,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _world() > 1 else 0
+
+
+def _say(text: str) -> None:
+    if _rank() == 0:
+        print(text)
+
+
+def _process_group(args: argparse.Namespace) -> bool:
+    """Under torchrun (WORLD_SIZE > 1) the conversions to and from Hugging Face run on every
+    rank, over gloo: start its process group. Other commands are one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    if getattr(args, "kind", None) not in ("dcp-to-hf", "hf-to-dcp"):
+        raise CliError(
+            f"titan-ckpt {args.command} {getattr(args, 'kind', '') or ''}".rstrip()
+            + " runs in one process; run it without torchrun (only convert dcp-to-hf and"
+            " hf-to-dcp run on several ranks)"
+        )
+    dist.init_process_group("gloo")
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    started = False
     try:
+        started = _process_group(args)
         code = args.func(args)
-    except (CliError, FileNotFoundError, ValueError, UnsafeCheckpointError) as e:
+    except (
+        CliError,
+        FileNotFoundError,
+        ValueError,
+        UnsafeCheckpointError,
+        StorageUnavailableError,
+    ) as e:
         print(f"titan-ckpt: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not is_store_error(e):
+            raise
+        print(
+            f"titan-ckpt: error: the storage refused: {type(e).__name__}: {e}\ncheck the URL,"
+            " the credentials and the endpoint (AWS_ENDPOINT_URL for an S3-compatible server)",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        if started:
+            dist.destroy_process_group()
     return code or 0
 
 

@@ -13,7 +13,10 @@ class Checkpoint:
     enable: bool = False
     """Save checkpoints and resume from the newest complete one in `folder`."""
     folder: str = "checkpoint"
-    """Where checkpoints go, relative to [job] dump_folder (one `step-<N>` folder per save)."""
+    """Where checkpoints go (one `step-<N>` folder per save): relative to [job] dump_folder, an
+    absolute path, or a URL of remote storage: `s3://bucket/run/checkpoint`, or any fsspec URL
+    (S3 needs `pip install 'titan-llm-ckpt[s3]'`; an S3-compatible server is named by the
+    AWS_ENDPOINT_URL environment variable, credentials as for any AWS tool)."""
     interval: int = 500
     """Save every this many steps (and always at the last step)."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
@@ -39,14 +42,15 @@ class Checkpoint:
     """Dtype of model-only final saves and of Hugging Face exports."""
     last_save_in_hf: bool = False
     """At the last step, also write Hugging Face safetensors + config.json into `step-<N>/hf`
-    (needs a model with an HF adapter)."""
+    (needs a model with an HF adapter); each rank writes its own shards, none gathers the model."""
     initial_load_path: str | None = None
     """A checkpoint to start from when `folder` holds none (a `step-<N>` folder, or a Hugging Face
     folder with `initial_load_in_hf`)."""
     initial_load_model_only: bool = True
     """Take only the model weights from `initial_load_path` (fine-tuning from a pretrained model)."""
     initial_load_in_hf: bool = False
-    """`initial_load_path` holds Hugging Face safetensors (needs a model with an HF adapter)."""
+    """`initial_load_path` holds Hugging Face safetensors (needs a model with an HF adapter); each
+    rank reads only the parts of the files its own shards need."""
     create_seed_checkpoint: bool = False
     """Write a model-only `step-0` checkpoint (usually from one process) and stop; later runs in any
     parallel layout start from these exact weights."""
@@ -80,6 +84,10 @@ class Checkpoint:
                     f"[checkpoint] exclude_from_loading names unknown state {name!r}\n"
                     f"allowed: {', '.join(sorted(known))}"
                 )
+        for key in ("folder", "initial_load_path"):
+            problem = _storage_problem(key, getattr(self, key))
+            if problem:
+                problems.append(problem)
         if self.initial_load_in_hf and not self.initial_load_path:
             problems.append(
                 "[checkpoint] initial_load_in_hf = true needs initial_load_path\nname the HF folder"
@@ -89,3 +97,16 @@ class Checkpoint:
                 "[checkpoint] initial_load_in_hf = true holds model weights only\nset initial_load_model_only = true"
             )
         return problems
+
+
+def _storage_problem(key: str, value: str | None) -> str | None:
+    """A URL whose storage is not installed here, named before anything starts."""
+    from titan_ckpt.storage import StorageUnavailableError, filesystem, is_url  # noqa: PLC0415
+
+    if not value or not is_url(value):
+        return None
+    try:
+        filesystem(value)
+    except StorageUnavailableError as e:
+        return f"[checkpoint] {key} = {value!r}: {e}"
+    return None

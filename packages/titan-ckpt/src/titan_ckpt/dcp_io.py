@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -19,13 +20,14 @@ from tqdm import tqdm
 
 from titan_ckpt import layout
 from titan_ckpt.integrity import (
-    ChecksummingWriter,
     checked_while_read,
+    checksumming_writer,
     entry_problem,
     nonfinite_entries,
     verify_files,
 )
-from titan_ckpt.safe_read import SafeFileSystemReader, load_plain, read_metadata_file
+from titan_ckpt.safe_read import load_plain, read_metadata_file, safe_reader
+from titan_ckpt.storage import RemotePath, as_path
 
 # DCP warns on every single-process save/load that it assumes one process; here that is the intent.
 warnings.filterwarnings(
@@ -50,7 +52,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def checkpoint_keys(path: str | Path) -> dict[str, Any]:
     """The flattened keys a DCP folder holds, with their storage metadata (read without
     running code, see safe_read.py)."""
-    return dict(read_metadata_file(Path(path) / ".metadata").state_dict_metadata)
+    return dict(read_metadata_file(as_path(path) / ".metadata").state_dict_metadata)
 
 
 def checkpoint_problems(
@@ -65,8 +67,8 @@ def checkpoint_problems(
     piecewise checksums are only checked for their size, because a load checks their bytes as
     it reads them (SafeFileSystemReader with the marker's checksums). With `rank` and `world`,
     this process checks only its share of the data files (the marker and `.metadata` are
-    checked by all); merge the ranks' lists."""
-    path = Path(path)
+    checked by all); merge the ranks' lists. `path` may be a URL."""
+    path = as_path(path)
     try:
         record = layout.read_commit(path)
     except (OSError, ValueError) as e:
@@ -197,7 +199,7 @@ def value_problems(path: str | Path, *, progress: bool = True) -> list[str]:
     the model or optimizer, a negative second-moment estimate (`SECOND_MOMENTS`), an optimizer
     step count that is not a whole number from 0 to the checkpoint's step (an optimizer takes
     at most one step per training step)."""
-    path = Path(path)
+    path = as_path(path)
     problems = [
         f"{name} holds NaN or inf"
         for name in nonfinite_tensors(path, ("model.",), progress=progress)
@@ -254,9 +256,13 @@ def _chunks(
             f"{path} holds no tensors under {prefix!r}; keys start with: {_heads(path)}"
         )
     total = sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors.values())
-    reader = SafeFileSystemReader(str(path))
+    reader = safe_reader(path)
     with tqdm(
-        total=total, unit="B", unit_scale=True, desc=f"read {Path(path).name}", disable=not progress
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"read {as_path(path).name}",
+        disable=not progress,
     ) as bar:
         chunk: dict[str, torch.Tensor] = {}
         size = 0
@@ -277,19 +283,36 @@ def _heads(path: str | Path) -> str:
 def save_model_checkpoint(
     state_dict: dict[str, torch.Tensor], path: str | Path, step: int = 0
 ) -> Path:
-    """Write `state_dict` as a committed, model-only checkpoint folder `path` (one process)."""
-    final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": state_dict}, storage_writer=ChecksummingWriter(str(tmp)), no_dist=True)
-    record = {
-        "step": step,
-        "states": ["model"],
-        "model_only": True,
-        "world_size": 1,
-        "dp_world_size": 1,
-    }
-    layout.commit(tmp, final, record)
+    """Write `state_dict` as a committed, model-only checkpoint folder `path` (a local folder or
+    a URL): by one process, or, when a process group is up, by every rank (a collective), each
+    writing its own shards of the DTensors, rank 0 committing."""
+    final = as_path(path)
+    group = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if group else 1
+    first = not group or dist.get_rank() == 0
+    if isinstance(final, RemotePath):  # no rename: written in place, committed by its marker
+        tmp = final
+        if first:
+            layout.discard(final)
+        if group:
+            dist.barrier()  # nothing of an older save left before any rank writes
+    else:
+        tmp = final.with_name(final.name + ".tmp")
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dcp.save({"model": state_dict}, storage_writer=checksumming_writer(tmp), no_dist=not group)
+    if group:
+        dist.barrier()  # every rank's files and checksums are written
+    if first:
+        record = {
+            "step": step,
+            "states": ["model"],
+            "model_only": True,
+            "world_size": world,
+            "dp_world_size": world,
+        }
+        layout.commit(tmp, final, record)
+    if group:
+        dist.barrier()
     return final
 
 
@@ -344,7 +367,7 @@ def _load_values(path: str | Path, prefix: str, keys: dict[str, Any]) -> dict[st
         return {}
     dcp.load(
         wanted,
-        storage_reader=SafeFileSystemReader(str(path)),
+        storage_reader=safe_reader(path),
         planner=SafeLoadPlanner(),
         no_dist=True,
     )

@@ -1,5 +1,7 @@
-"""Hugging Face interop: model weights to and from safetensors folders, through a model's
-`HFAdapter` (titan_core.protocols), which owns the name and layout mapping."""
+"""Hugging Face interop for whole state dicts: model weights to and from safetensors
+folders in one process, through a model's `HFAdapter` (titan_core.protocols), which owns the
+name and layout mapping. A sharded model reads and writes its own shards instead
+(`hf_sharded`: `load_hf_weights`, `save_hf_weights`)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from titan_ckpt.hf_files import DTYPES, INDEX_FILE, SINGLE_FILE, safetensors_files
 from titan_core.protocols import HFAdapter
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+__all__ = ["DTYPES", "INDEX_FILE", "SINGLE_FILE", "export_hf", "import_hf", "read_safetensors"]
 
 
 def export_hf(
@@ -70,15 +71,7 @@ def export_hf(
 def read_safetensors(in_dir: str | Path, *, progress: bool = True) -> dict[str, torch.Tensor]:
     """All tensors of an HF folder (single file or index + shards), with their HF names."""
     folder = Path(in_dir)
-    if (folder / INDEX_FILE).is_file():
-        index = json.loads((folder / INDEX_FILE).read_text())
-        files = sorted(set(index["weight_map"].values()))
-    elif (folder / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{folder} holds no .safetensors files (nor {INDEX_FILE})")
+    files = safetensors_files(folder)
     out: dict[str, torch.Tensor] = {}
     for name in tqdm(files, desc="read safetensors", unit="file", disable=not progress):
         with safe_open(str(folder / name), framework="pt", device="cpu") as f:

@@ -13,6 +13,9 @@ Checksums cost almost nothing because they are computed on bytes already in moti
   checksum once the load returns.
 - **Offline.** `verify_files` checks whole files (`titan-ckpt verify`).
 
+On an object store (a URL folder) the writer is torch's FsspecWriter with the same hashing
+streams, and a load's checker reads the pieces back by byte range.
+
 Markers written by earlier versions hold one SHA-256 per file (`{"bytes": n, "sha256": hex}`);
 they are verified with the algorithm they name, before the load reads anything.
 """
@@ -25,6 +28,7 @@ import math
 import mmap
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +38,11 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter, FsspecWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
+
+from titan_ckpt.storage import RemotePath, as_path, filesystem, is_url
 
 ALGORITHM = "xxh3_128"
 LEGACY_ALGORITHM = "sha256"
@@ -147,6 +153,33 @@ class _HashingFileSystem(FileSystem):
         path.with_name(path.name + SUM_SUFFIX).write_text(json.dumps(stream.entry()))
 
 
+def _fsspec_file_system_class() -> type:
+    """torch's fsspec FileSystem class (`_FileSystem` in fsspec_filesystem, or `FileSystem` in
+    torch 2.11's _fsspec_filesystem): the module that defines FsspecWriter holds it."""
+    module = sys.modules[FsspecWriter.__module__]
+    return getattr(module, "_FileSystem", None) or module.FileSystem
+
+
+class _HashingFsspecFileSystem(_fsspec_file_system_class()):
+    """DCP's fsspec file system, whose data files hash themselves as they are written (an
+    object is stored when its stream closes; its side file is one more object)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        path = os.fspath(path)
+        if mode != "wb" or not path.endswith(".distcp"):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as file:
+            stream = _HashingStream(file)
+            try:
+                yield stream
+            finally:
+                stream.stop()
+        self.fs.pipe_file(path + SUM_SUFFIX, json.dumps(stream.entry()).encode())
+
+
 class ChecksummingWriter(FileSystemWriter):
     """torch's FileSystemWriter that hashes each data file while writing it and records the
     sums in `<file>.sum.json`. Works in DCP's writer threads, in an async save's background
@@ -157,7 +190,28 @@ class ChecksummingWriter(FileSystemWriter):
         self.fs = _HashingFileSystem()
 
 
-def write_synced(path: Path, text: str) -> None:
+class ChecksummingFsspecWriter(FsspecWriter):
+    """The same for a URL: torch's FsspecWriter with hashing streams. No fsync (an object is
+    durable once its upload completes, and fsspec streams have no file descriptor)."""
+
+    def __init__(self, url: str):
+        filesystem(url)  # a clear error when the URL's storage is not installed
+        super().__init__(url, sync_files=False)
+        self.fs = _HashingFsspecFileSystem()
+        self.path = self.fs.init_path(url)
+
+
+def checksumming_writer(path: str | os.PathLike | RemotePath) -> FileSystemWriter:
+    """The writer for a save into `path`: a local folder or a URL."""
+    if is_url(path):
+        return ChecksummingFsspecWriter(str(path))
+    return ChecksummingWriter(os.fspath(path))
+
+
+def write_synced(path: Path | RemotePath, text: str) -> None:
+    if isinstance(path, RemotePath):
+        path.write_text(text)  # one PUT: the object is there whole, or not at all
+        return
     with open(path, "w") as f:
         f.write(text)
         f.flush()
@@ -166,7 +220,7 @@ def write_synced(path: Path, text: str) -> None:
 
 def file_entry(path: str | Path) -> dict[str, Any]:
     """The checksum entry of a small file (`.metadata`, `config.toml`): one piece."""
-    data = Path(path).read_bytes()
+    data = as_path(path).read_bytes()
     pieces = [[0, len(data), _digest(data)]] if data else []
     return {"bytes": len(data), "algorithm": ALGORITHM, "pieces": pieces}
 
@@ -245,7 +299,7 @@ def verify_files(
     """Problems of the files `rank` checks (every `world`-th, in name order) against `expected`
     ({name: checksum entry}); empty when they match. With `read` False, files whose bytes a
     load checks as it reads them are only checked for their size."""
-    folder = Path(folder)
+    folder = as_path(folder)
     problems = []
     for i, name in enumerate(sorted(expected)):
         if i % world != rank:
@@ -264,7 +318,7 @@ def _content_problem(path: Path, entry: Mapping[str, Any]) -> str | None:
         if not checked_while_read(entry):
             import hashlib  # noqa: PLC0415 - only for markers of earlier versions
 
-            with open(path, "rb") as f:
+            with path.open("rb") as f:
                 digest = hashlib.file_digest(f, LEGACY_ALGORITHM).hexdigest()
             if digest != entry.get(LEGACY_ALGORITHM):
                 return mismatch(LEGACY_ALGORITHM)
@@ -285,6 +339,12 @@ def verify_pieces(path: Path, pieces: list[list[Any]], which: Iterable[int]) -> 
     copy) and compare; the first mismatch, or None."""
     which = sorted(which)
     if not which:
+        return None
+    if isinstance(path, RemotePath):
+        for i in which:
+            start, length, digest = pieces[i]
+            if _digest(path.read_range(start, length)) != digest:
+                return mismatch(ALGORITHM, start, length)
         return None
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
@@ -325,7 +385,7 @@ class PieceVerifier(threading.Thread):
         items: Iterable[tuple[str, int, int]],
     ):
         super().__init__(name="titan-ckpt-verify", daemon=True)
-        self.folder = Path(folder)
+        self.folder = as_path(folder)
         self.checksums = checksums
         self.problems: list[str] = []
         self._starts: dict[str, list[int]] = {}
@@ -384,6 +444,15 @@ class PieceVerifier(threading.Thread):
         name, i = piece
         self._pending[piece] = 0
         start, length, digest = self.checksums[name]["pieces"][i]
+        if isinstance(self.folder, RemotePath):  # read back by range: no page cache to reuse
+            try:
+                ok = _digest((self.folder / name).read_range(start, length)) == digest
+            except OSError as e:
+                self.problems.append(f"{name} cannot be read: {e.strerror or e}")
+                return
+            if not ok:
+                self.problems.append(f"{name} {mismatch(ALGORITHM, start, length)}")
+            return
         try:
             view = self._view(name)
         except OSError as e:

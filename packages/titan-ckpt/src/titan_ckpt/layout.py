@@ -12,6 +12,12 @@ unfinished save: its marker was deleted, or another tool wrote it. It is reporte
 
 The marker records the size and checksum of every file of the checkpoint (see integrity.py), so
 a file that was cut short, overwritten or replaced after the commit is found before loading.
+
+On an object store (a URL folder, see storage.py) there is no rename: a save is written in
+place into `step-<N>/` and the marker, one object written last, commits it. A `step-<N>/` there
+without a marker is an unfinished save whatever it holds: never loaded, and removed after the
+next successful save. Deleting a checkpoint removes its marker first, so that a deletion cut
+short never leaves a marked folder with files missing.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_ckpt.integrity import collect_checksums, file_entry, write_synced
+from titan_ckpt.storage import RemotePath, as_path
 
 COMMIT_FILE = "titan_commit.json"
 CONFIG_FILE = "config.toml"
@@ -33,15 +40,30 @@ _LEFTOVER = re.compile(r"^step-\d+\.(tmp|old)(-\d+)?$")
 
 
 def step_dir(folder: str | Path, step: int) -> Path:
-    return Path(folder) / f"step-{step}"
+    return as_path(folder) / f"step-{step}"
 
 
 def tmp_dir(folder: str | Path, step: int) -> Path:
-    return Path(folder) / f"step-{step}.tmp"
+    """Where a save is written: `step-<N>.tmp`, renamed at the commit; on an object store the
+    checkpoint's own `step-<N>`, which its marker commits."""
+    folder = as_path(folder)
+    if isinstance(folder, RemotePath):
+        return folder / f"step-{step}"
+    return folder / f"step-{step}.tmp"
+
+
+def discard(path: str | Path) -> None:
+    """Delete a checkpoint folder or a save's remains (marker first on an object store)."""
+    path = as_path(path)
+    if isinstance(path, RemotePath):
+        (path / COMMIT_FILE).unlink(missing_ok=True)
+        path.rmtree()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def is_complete(path: str | Path) -> bool:
-    path = Path(path)
+    path = as_path(path)
     try:
         return (path / COMMIT_FILE).is_file() and (path / ".metadata").is_file()
     except OSError:  # a folder this process may not look into
@@ -51,7 +73,7 @@ def is_complete(path: str | Path) -> bool:
 def read_commit(path: str | Path) -> dict[str, Any]:
     """The marker's record: step, states saved, world and data-parallel sizes, file checksums,
     time. Raises OSError when it cannot be read and ValueError when it is not a marker."""
-    record = json.loads((Path(path) / COMMIT_FILE).read_text())
+    record = json.loads((as_path(path) / COMMIT_FILE).read_text())
     if not isinstance(record, dict) or not isinstance(record.get("step"), int):
         raise ValueError(f"{COMMIT_FILE} holds no step number; it is not a titan commit marker")
     return record
@@ -59,7 +81,7 @@ def read_commit(path: str | Path) -> dict[str, Any]:
 
 def step_problem(path: str | Path, record: dict[str, Any]) -> str | None:
     """A marker whose step is not the one its `step-<N>` folder is named for."""
-    name = Path(path).name
+    name = as_path(path).name
     match = _STEP.match(name)
     if match and int(match.group(1)) != record["step"]:
         return (
@@ -72,9 +94,10 @@ def step_problem(path: str | Path, record: dict[str, Any]) -> str | None:
 
 def unmarked(folder: str | Path) -> list[tuple[int, Path]]:
     """`step-<N>` folders that look complete (they hold `.metadata`) but have no commit marker,
-    oldest first: never loaded, never deleted, reported."""
-    folder = Path(folder)
-    if not folder.is_dir():
+    oldest first: never loaded, never deleted, reported. None on an object store, where a
+    folder without its marker is an unfinished save."""
+    folder = as_path(folder)
+    if isinstance(folder, RemotePath) or not folder.is_dir():
         return []
     found = []
     for entry in folder.iterdir():
@@ -101,7 +124,7 @@ def _has_metadata(path: Path) -> bool:
 def committed(folder: str | Path) -> list[tuple[int, Path]]:
     """`step-<N>` folders holding a commit marker, oldest first, whether or not the marker
     can be read and the rest of the checkpoint is there (the load reports what is wrong)."""
-    folder = Path(folder)
+    folder = as_path(folder)
     if not folder.is_dir():
         return []
     found = []
@@ -135,13 +158,16 @@ def _sync_dir(path: Path) -> None:
 
 def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = "") -> None:
     """Make a fully written `tmp` folder the checkpoint `final` (call on one process only): the
-    marker records `record` and the size and checksum of every file."""
+    marker records `record` and the size and checksum of every file. On an object store `tmp`
+    is `final`, and writing the marker (last) is the commit."""
     files = collect_checksums(tmp)
     if config_toml:
         write_synced(tmp / CONFIG_FILE, config_toml)
         files[CONFIG_FILE] = file_entry(tmp / CONFIG_FILE)
     marker = {**record, "files": files, "committed_at": time.time()}
     write_synced(tmp / COMMIT_FILE, _marker_text(marker))
+    if isinstance(tmp, RemotePath):
+        return
     _sync_dir(tmp)
     if final.exists():  # saving a step again (e.g. a seed checkpoint re-created): swap it out
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
@@ -186,14 +212,15 @@ def prune(
     for _, path in found[:-keep]:
         if path.resolve() in {p.resolve() for p in protect}:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        discard(path)
         removed.append(path)
     return removed
 
 
 def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[Path]:
     """Delete the remains of interrupted saves, except those in `skip` (a save in flight)."""
-    folder = Path(folder)
+    folder = as_path(folder)
+    remote = isinstance(folder, RemotePath)
     if not folder.is_dir():
         return []
     skip_names = {p.name for p in skip}
@@ -204,10 +231,13 @@ def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[
         # A `step-<N>` without a marker or `.metadata` holds no finished DCP save. One with a
         # file missing, or with `.metadata` but no marker, is kept (and reported when loaded),
         # never deleted behind the user's back.
+        # On an object store, a `step-<N>` without a marker is an unfinished save.
         incomplete_step = (
-            _STEP.match(entry.name) and not _has_marker(entry) and not _has_metadata(entry)
+            _STEP.match(entry.name)
+            and not _has_marker(entry)
+            and (remote or not _has_metadata(entry))
         )
         if _LEFTOVER.match(entry.name) or incomplete_step:
-            shutil.rmtree(entry, ignore_errors=True)
+            discard(entry)
             removed.append(entry)
     return removed

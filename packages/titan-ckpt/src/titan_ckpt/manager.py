@@ -6,12 +6,13 @@ train state, each rank's RNG states and the resolved config. See `layout.py` for
 becomes visible only once complete, and `integrity.py` for what is checked before a save is
 written (no NaN or inf) and before one is loaded (every file's checksum, metadata that cannot
 run code). A checkpoint that fails its checks is reported by name and the previous one is used.
+`folder` may be a URL (`s3://bucket/run`, any fsspec storage: see storage.py).
 """
 
 from __future__ import annotations
 
 import errno
-import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -42,11 +43,13 @@ from titan_ckpt.errors import (
     first_line,
     os_error,
 )
-from titan_ckpt.hf import DTYPES, export_hf, import_hf
-from titan_ckpt.integrity import ChecksummingWriter, nonfinite_entries
-from titan_ckpt.safe_read import SafeFileSystemReader
+from titan_ckpt.hf import DTYPES, export_hf
+from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
+from titan_ckpt.integrity import checksumming_writer, nonfinite_entries
+from titan_ckpt.safe_read import safe_reader
 from titan_ckpt.staging import build_stager
 from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, TextState
+from titan_ckpt.storage import RemotePath, as_path, check_remote_writable, is_url
 from titan_core.distributed import any_rank
 from titan_core.log import get_logger
 from titan_core.protocols import GLOBAL_STATE, HFAdapter
@@ -80,7 +83,8 @@ class CheckpointManager:
     Works in one plain process (no process group) and in any torch.distributed job; every rank
     calls every method. A manager that saves (`enable` or `create_seed_checkpoint`) checks at
     once that `folder` is writable and claims it for this run (`titan_core.FolderLock`); a
-    second run on the same folder is refused until `close()`.
+    second run on the same folder is refused until `close()`. `folder` may be a URL: it is
+    write-tested with a small object, and not locked (object stores have no locks).
     """
 
     def __init__(
@@ -98,7 +102,7 @@ class CheckpointManager:
         if problems:
             raise ValueError("\n".join(problems))
         self.config = config
-        self.folder = Path(folder)
+        self.folder = as_path(folder)
         self.config_toml = config_toml
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.hf_adapter = hf_adapter
@@ -149,17 +153,20 @@ class CheckpointManager:
         error: RunFolderError | None = None
         if self.rank == 0:
             try:
-                check_writable(
-                    self.folder,
-                    purpose="checkpoint folder",
-                    hint="point [checkpoint] folder at another folder",
-                )
-                self._lock = FolderLock(
-                    self.folder,
-                    purpose="checkpoint folder",
-                    hint="wait for that run to end, or give this one its own [checkpoint] folder "
-                    "(or [job] dump_folder)",
-                )
+                self._check_writable(hint="point [checkpoint] folder at another folder")
+                if isinstance(self.folder, RemotePath):
+                    log.info(
+                        "checkpoint folder %s is remote storage: not locked against a second"
+                        " run (object stores have no locks); give each run its own folder",
+                        self.folder,
+                    )
+                else:
+                    self._lock = FolderLock(
+                        self.folder,
+                        purpose="checkpoint folder",
+                        hint="wait for that run to end, or give this one its own [checkpoint]"
+                        " folder (or [job] dump_folder)",
+                    )
             except RunFolderError as e:
                 error = e
             if self._lock is not None and self._lock.taken_over is not None:
@@ -175,6 +182,12 @@ class CheckpointManager:
             raise error or RunFolderError(
                 f"rank 0 could not claim the checkpoint folder {self.folder} (see its log)"
             )
+
+    def _check_writable(self, hint: str = "") -> None:
+        if isinstance(self.folder, RemotePath):
+            check_remote_writable(self.folder, purpose="checkpoint folder", hint=hint)
+        else:
+            check_writable(self.folder, purpose="checkpoint folder", hint=hint)
 
     def _setup_async(self, optimizer: Any) -> None:
         if self.config.async_executor == "process" and not self._dist:
@@ -230,7 +243,7 @@ class CheckpointManager:
         }
         tmp = layout.tmp_dir(self.folder, step)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # remains of a crashed attempt at this step
+            layout.discard(tmp)  # remains of a crashed attempt at this step
             tmp.mkdir(parents=True)
         self._barrier()
         start = time.perf_counter()
@@ -246,7 +259,7 @@ class CheckpointManager:
                     time.perf_counter() - start,
                 )
                 return
-            dcp.save(to_save, storage_writer=ChecksummingWriter(str(tmp)), no_dist=not self._dist)
+            dcp.save(to_save, storage_writer=checksumming_writer(tmp), no_dist=not self._dist)
             if final and self.config.last_save_in_hf:
                 self._export_hf(to_save, tmp / "hf")
         except BaseException as e:
@@ -287,7 +300,7 @@ class CheckpointManager:
         )
         result = dcp.async_save(
             to_save,
-            storage_writer=ChecksummingWriter(str(tmp)),
+            storage_writer=checksumming_writer(tmp),
             process_group=self._async_pg,
             async_checkpointer_type=kind,
             async_stager=self._stager,
@@ -345,7 +358,7 @@ class CheckpointManager:
             # DCP's own message may hide the cause ("unexpected pos 704 vs 598"), and errors
             # gathered from other ranks lose their chain: ask the file system directly.
             try:
-                check_writable(self.folder, purpose="checkpoint folder")
+                self._check_writable()
                 reason = first_line(error)
             except RunFolderError as e:
                 cause = e.__cause__ if isinstance(e.__cause__, OSError) else None
@@ -392,18 +405,26 @@ class CheckpointManager:
 
     def _discard(self, tmp: Path) -> None:
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # free the space a full disk needs back
+            layout.discard(tmp)  # free the space a full disk needs back
 
     def _export_hf(self, to_save: dict[str, Any], out: Path) -> None:
         if self.hf_adapter is None:
             raise ValueError(
                 "[checkpoint] last_save_in_hf = true needs the model's HF adapter; this model has none"
             )
-        full = ModelState(
-            self._model_parts
-        ).full_state_dict()  # a collective: every rank takes part
-        if self.rank == 0:
-            export_hf(full, self.hf_adapter, out, dtype=self.config.export_dtype, progress=False)
+        if isinstance(out, RemotePath):
+            # An object store takes whole files: rank 0 writes the export to a local folder
+            # (the model gathered, a collective) and uploads it.
+            full = ModelState(self._model_parts).full_state_dict()
+            if self.rank == 0:
+                with tempfile.TemporaryDirectory(prefix="titan-hf-") as local:
+                    export_hf(
+                        full, self.hf_adapter, local, dtype=self.config.export_dtype, progress=False
+                    )
+                    out.fs.put(local + "/", out.path, recursive=True)
+            return
+        # Every rank writes its own shards (a collective); no rank gathers the model.
+        save_hf_weights(self._model_parts, self.hf_adapter, out, dtype=self.config.export_dtype)
 
     # ------------------------------------------------------------------ load
     def load(self, step: int = -1) -> int | None:
@@ -602,9 +623,7 @@ class CheckpointManager:
         try:
             dcp.load(
                 request,
-                storage_reader=SafeFileSystemReader(
-                    str(path), checksums=checksums_to_check_while_reading(path)
-                ),
+                storage_reader=safe_reader(path, checksums_to_check_while_reading(path)),
                 planner=SafeLoadPlanner(),
                 no_dist=not self._dist,
             )
@@ -618,15 +637,20 @@ class CheckpointManager:
         if not cfg.initial_load_path:
             log.info("no checkpoint in %s: starting from scratch", self.folder)
             return None
-        path = Path(cfg.initial_load_path)
+        path = as_path(cfg.initial_load_path)
+        if cfg.initial_load_in_hf and is_url(path):
+            raise ValueError(
+                f"[checkpoint] initial_load_path = {str(path)!r}: Hugging Face weights are read"
+                " from a local folder; download them first (titan-download, or the store's"
+                " own copy command) and name that folder"
+            )
         if cfg.initial_load_in_hf:
             if self.hf_adapter is None:
                 raise ValueError(
                     "[checkpoint] initial_load_in_hf = true needs the model's HF adapter; this model has none"
                 )
-            ModelState(self._model_parts).load_full_state_dict(
-                import_hf(path, self.hf_adapter, progress=self.rank == 0)
-            )
+            # Every rank reads the parts of the files its own shards need.
+            load_hf_weights(self._model_parts, self.hf_adapter, path, progress=self.rank == 0)
             log.info("initialised the model from Hugging Face weights in %s", path)
             return 0
         if not layout.is_complete(path):

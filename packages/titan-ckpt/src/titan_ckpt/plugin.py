@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.preflight import check_loadable, check_space
+from titan_ckpt.storage import join
 from titan_core.protocols import Checkpointer, HFAdapter
 
 
@@ -23,7 +23,8 @@ def build_checkpointer(
     hf_adapter: HFAdapter | None = None,
     **_ignored: Any,
 ) -> Checkpointer:
-    """A `CheckpointManager` writing to `<dump_folder>/<config.folder>`.
+    """A `CheckpointManager` writing to `<dump_folder>/<config.folder>` (or to `config.folder`
+    when it is absolute or a URL such as `s3://bucket/run`).
 
     `dims` (a titan_core ParallelDims with its mesh built) gives the data-parallel rank and size
     that key the data loader's state; `dp_rank` overrides the rank. Unknown keyword arguments are
@@ -33,9 +34,7 @@ def build_checkpointer(
     if dp_rank is None:
         mesh = dims.mesh("dp") if dims is not None and dp_world > 1 else None
         dp_rank = mesh.get_local_rank() if mesh is not None else 0
-    folder = (
-        config.folder if os.path.isabs(config.folder) else os.path.join(dump_folder, config.folder)
-    )
+    folder = join(dump_folder, config.folder)  # an absolute path or a URL stays as it is
     return CheckpointManager(
         config,
         states,

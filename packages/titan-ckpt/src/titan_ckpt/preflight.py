@@ -11,7 +11,6 @@ the bytes of the saved state from the model's and optimizer's shapes, without me
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,13 +20,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_ckpt import layout
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.dcp_io import checkpoint_keys
+from titan_ckpt.storage import RemotePath, as_path, join
 
 
-def checkpoint_folder(config: Checkpoint, dump_folder: str) -> Path:
-    """Where checkpoints of a run with this config and dump folder live."""
-    return Path(
-        config.folder if os.path.isabs(config.folder) else os.path.join(dump_folder, config.folder)
-    )
+def checkpoint_folder(config: Checkpoint, dump_folder: str) -> Path | RemotePath:
+    """Where checkpoints of a run with this config and dump folder live: `folder` under the
+    dump folder, or `folder` itself when it is absolute or a URL."""
+    return as_path(join(dump_folder, config.folder))
 
 
 def check_loadable(
@@ -39,7 +38,7 @@ def check_loadable(
     found = layout.list_checkpoints(folder)
     if not found:
         if config.initial_load_path:
-            path = Path(config.initial_load_path)
+            path = as_path(config.initial_load_path)
             if config.initial_load_in_hf:
                 return (
                     [],
@@ -121,6 +120,11 @@ def check_space(
         new = max(1, min(k + 1, len(existing) + planned) - len(existing))
         kept = f"keep_latest_k = {k} keeps {k}, plus the one being written"
     needed = new * state_bytes
+    if isinstance(folder, RemotePath):  # an object store has no free space to ask about
+        return [], (
+            f"checkpoint: about {_size(state_bytes)} each, {planned} to save; {folder} needs up"
+            f" to {_size(needed)} more ({kept}); free space not checked (remote storage)"
+        )
     free = shutil.disk_usage(_nearest_existing(folder)).free
     note = (
         f"checkpoint: about {_size(state_bytes)} each, {planned} to save; {folder} needs up to"

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
 from titan_ckpt.integrity import CorruptDataError, PieceVerifier
+from titan_ckpt.storage import RemotePath, as_path, filesystem, is_url
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -70,9 +71,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def read_metadata_file(path: str | Path) -> Metadata:
-    """A DCP `.metadata` file, unpickled with only the classes DCP metadata consists of."""
-    with open(path, "rb") as f:
+def read_metadata_file(path: str | Path | RemotePath) -> Metadata:
+    """A DCP `.metadata` file (local or at a URL), unpickled with only the classes DCP
+    metadata consists of."""
+    with as_path(path).open("rb") as f:
         metadata = _MetadataUnpickler(f, str(path)).load()
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(
@@ -81,8 +83,8 @@ def read_metadata_file(path: str | Path) -> Metadata:
     return metadata
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader with `.metadata` read by `read_metadata_file`.
+class _SafeReading:
+    """torch's FileSystemReader (or FsspecReader) with `.metadata` read by `read_metadata_file`.
 
     With `checksums` (the marker's {file: checksum entry}), the pieces of the data files that
     a read plan touches are hashed by a thread of their own (`PieceVerifier`), each as soon as
@@ -98,7 +100,7 @@ class SafeFileSystemReader(FileSystemReader):
         self._reading: tuple[str, int, int] | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata_file(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_metadata_file(str(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -111,7 +113,7 @@ class SafeFileSystemReader(FileSystemReader):
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             items.append((info.relative_path, info.offset, info.length))
-        self._verifier = verifier = PieceVerifier(self.path, self.checksums, items)
+        self._verifier = verifier = PieceVerifier(str(self.path), self.checksums, items)
         verifier.start()
         try:
             done = super().read_data(plan, planner)
@@ -141,6 +143,27 @@ class SafeFileSystemReader(FileSystemReader):
         if self._reading is not None and self._verifier is not None:
             self._verifier.item_read(*self._reading)
         self._reading = None
+
+
+class SafeFileSystemReader(_SafeReading, FileSystemReader):
+    """A local checkpoint folder, read safely (see `_SafeReading`)."""
+
+
+class SafeFsspecReader(_SafeReading, FsspecReader):
+    """A checkpoint at a URL, read safely through torch's FsspecReader (see `_SafeReading`)."""
+
+    def __init__(self, url: str, checksums: Mapping[str, Mapping[str, Any]] | None = None):
+        filesystem(url)  # a clear error when the URL's storage is not installed
+        super().__init__(url, checksums)
+
+
+def safe_reader(
+    path: str | Path | RemotePath, checksums: Mapping[str, Mapping[str, Any]] | None = None
+) -> FileSystemReader:
+    """The safe reader for a checkpoint folder, local or at a URL."""
+    if is_url(path):
+        return SafeFsspecReader(str(path), checksums)
+    return SafeFileSystemReader(str(path), checksums)
 
 
 def load_plain(data: bytes | io.BytesIO, what: str) -> Any:

@@ -52,12 +52,15 @@ class ConfigCompat:
     `aliases`: that tool's name -> ours; the value is used as if set under our name.
     `unimplemented`: keys it knows and we do not implement; a file setting them loads, with one
     warning naming them. `renamed`: names it used to have -> what to write now; an error.
+    `values`: for a key, that tool's older names of values -> ours (for a list, of its
+    elements); the value is read as ours, with one notice line.
     All names are dotted (`section.key`).
     """
 
     aliases: typing.Mapping[str, str] = dataclasses.field(default_factory=dict)
     unimplemented: typing.Collection[str] = frozenset()
     renamed: typing.Mapping[str, str] = dataclasses.field(default_factory=dict)
+    values: typing.Mapping[str, typing.Mapping[str, str]] = dataclasses.field(default_factory=dict)
 
 
 class ConfigError(ValueError):
@@ -67,6 +70,11 @@ class ConfigError(ValueError):
     def __init__(self, problems: str | Sequence[str]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__(self.render())
+
+    def __reduce__(self):
+        # Rebuilt from its problems (a worker process sends it back pickled): built from the
+        # rendered text it would be prefixed a second time.
+        return (type(self), (self.problems,))
 
     def render(self) -> str:
         out = []
@@ -324,7 +332,8 @@ def _from_toml(data: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[str]]:
-    """`--a.b.c VALUE`, `--a.b.c=VALUE`, and bare `--a.b.flag` for a boolean true."""
+    """`--a.b.c VALUE`, `--a.b.c=VALUE`, bare `--a.b.flag` for a boolean true, and
+    `--a.b.no-flag` (or `--a.b.no_flag`, `--no-a.b.flag`) for false."""
     tree: dict[str, Any] = {}
     problems: list[str] = []
     i = 0
@@ -335,7 +344,10 @@ def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[st
             problems.append(f"unexpected argument {arg!r}\noptions look like --section.key VALUE")
             continue
         name, eq, value = arg[2:].partition("=")
-        if not eq:
+        negated = None if eq else _negated_bool(root, name)
+        if negated is not None:
+            name, value = negated, "false"
+        elif not eq:
             takes_value = not _is_bool_field(root, name.split("."))
             if i < len(args) and (takes_value or not args[i].startswith("--")):
                 value = args[i]
@@ -355,6 +367,22 @@ def _parse_cli(args: Sequence[str], root: type) -> tuple[dict[str, Any], list[st
         else:
             node[parts[-1]] = _Raw(value, f"--{name}", True)
     return tree, problems
+
+
+def _negated_bool(root: type, name: str) -> str | None:
+    """The boolean option that `section.no-key`, `section.no_key` or `no-section.key` turns
+    off (torchtitan's command line spells false so), or None."""
+    if _is_bool_field(root, name.split(".")):
+        return None
+    head, _, last = name.rpartition(".")
+    for prefix in ("no-", "no_"):
+        candidates = [name.removeprefix(prefix)] if name.startswith(prefix) else []
+        if last.startswith(prefix):
+            candidates.append(f"{head}.{last.removeprefix(prefix)}" if head else "")
+        for candidate in candidates:
+            if candidate and _is_bool_field(root, candidate.split(".")):
+                return candidate
+    return None
 
 
 def _is_bool_field(root: type, parts: list[str]) -> bool:
@@ -457,7 +485,38 @@ def _apply_compat(raw: dict[str, Any], compat: ConfigCompat, problems: list[str]
         get_logger("config").warning(
             "ignoring keys Titan does not implement: %s", ", ".join(ignored)
         )
+    for dotted, renames in compat.values.items():
+        item = _lookup(raw, dotted)
+        if isinstance(item, _Raw):
+            _rename_values(item, dotted, renames)
     return raw
+
+
+def _rename_values(item: _Raw, dotted: str, renames: typing.Mapping[str, str]) -> None:
+    """Read another tool's older value names (`converters = ["float8"]`) as ours, with a
+    notice. A list from the command line (`a,b`) is renamed element by element."""
+    from titan_core.log import get_logger
+
+    value = item.value
+    if item.from_cli and not value.strip().startswith("["):
+        elements = [s.strip() for s in value.split(",")]
+        new: Any = ",".join(renames.get(v, v) for v in elements)
+    elif isinstance(value, list):
+        elements = value
+        new = [renames.get(v, v) if isinstance(v, str) else v for v in value]
+    elif isinstance(value, str):
+        elements, new = [value], renames.get(value, value)
+    else:
+        return
+    for old in sorted({v for v in elements if isinstance(v, str) and v in renames}):
+        get_logger("config").info(
+            "%s = %s (from %s) is an older name; read as %s",
+            _label(dotted),
+            json.dumps(old),
+            item.source,
+            json.dumps(renames[old]),
+        )
+    item.value = new
 
 
 def _label(dotted: str) -> str:
@@ -548,7 +607,8 @@ def render_help(cls: type, prog: str = "titan-train") -> str:
         f"usage: {prog} [--job.config_file FILE.toml] [--section.key VALUE ...]",
         "",
         "Options come from defaults, then the TOML file, then the command line (which wins).",
-        "Booleans: --section.flag (true) or --section.flag false. Lists: a,b,c or [1, 2].",
+        "Booleans: --section.flag (true), --section.no-flag or --section.flag false.",
+        "Lists: a,b,c or [1, 2].",
     ]
     section = None
     for name, tp, default, doc in iter_options(cls):

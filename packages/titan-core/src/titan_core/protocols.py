@@ -1,15 +1,17 @@
 """The small contracts through which Titan's packages meet without importing each other.
 
 titan-models describes a model with a `ModelSpec`; titan-parallel reads the model's
-`TPPlan`, its mixture-of-experts layers' `MoEPlan`s and its block container; titan-ckpt reads its `HFAdapter`; titan-data is found through a
-`DataSpec`; Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`;
-optimizer packages an `OptimizerFactory`.
+`TPPlan`, its mixture-of-experts layers' `MoEPlan`s and its block container; titan-ckpt reads
+its `HFAdapter` (box by box: `SlicedHFAdapter`); titan-data is found through a `DataSpec`;
+Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`; optimizer
+packages an `OptimizerFactory`.
 Everything here is plain data or a `typing.Protocol`: a third-party package satisfies it
 without inheriting from anything of ours.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -28,6 +30,7 @@ TPStyle = Literal[
     "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
     "per_head",  # a module applied to each head of [batch, seq, heads, head_dim] (QK-norm): weights replicated, gradients summed over the ranks' heads
     "head_shared",  # a module whose output each rank combines with its own heads only (MLA's rotary key): weights replicated, the output's gradient summed over the ranks
+    "per_token",  # a module applied to each position alone whose output enters a block (multi-token prediction's eh_proj): weights replicated, run on the sequence shards with SP, output a plain shard
 ]
 """How one submodule is split across the tensor-parallel group (see `TPPlan`)."""
 
@@ -107,7 +110,10 @@ class ParallelizableModel(Protocol):
     activation checkpointing and compile wrap each block, and pipeline parallel deletes the
     blocks a stage does not own while the fully qualified names of the rest stay stable.
     The modules named in `pre_blocks`/`post_blocks` may be set to None by pipeline parallel,
-    and `forward` must then pass its input through them unchanged.
+    and `forward` must then pass its input through them unchanged. `post_blocks` may also
+    name blocks of `layers` ("layers.K") that `forward` runs after the output projection
+    (multi-token-prediction layers): pipeline parallel keeps them on the last stage, and a
+    stage without them passes on what they would read.
 
     Optional: `init_plan()` and `init_buffers(buffer_device)` (initial values as data, which
     titan-parallel's `init_weights_exact` uses to initialise any layout without holding the
@@ -155,7 +161,11 @@ def parallelizable_problems(model: nn.Module) -> list[str]:
 
 
 class HFAdapter(Protocol):
-    """Converts a model's state dict to and from Hugging Face names and layouts."""
+    """Converts a model's state dict to and from Hugging Face names and layouts.
+
+    Optional, for checkpoints too large for one process: `to_hf_slices` and `from_hf_slice`
+    (see `SlicedHFAdapter`), with which titan-ckpt has each rank read and write only the
+    parts of the safetensors files its own shards hold."""
 
     def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
@@ -163,6 +173,57 @@ class HFAdapter(Protocol):
 
     def hf_config(self) -> dict[str, Any]:
         """The `config.json` a Hugging Face loader needs for these weights."""
+
+
+Box = tuple[slice, ...]
+"""A rectangular part of a tensor: one `slice(start, stop)` per dimension (step 1), as a
+rank's shard of a sharded parameter is."""
+
+
+@dataclass(frozen=True)
+class HFSlice:
+    """A box of one Hugging Face tensor: its name, its full shape and the box (`index`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    index: Box
+
+
+class SlicedHFAdapter(HFAdapter, Protocol):
+    """An `HFAdapter` that converts one box of one tensor at a time: what each rank needs to
+    import or export its own shards without ever holding the whole model.
+
+    `name` is a tensor of ours, `shape` its full (global) shape and `index` the box of it a
+    rank holds (a DTensor's local shard: FSDP, TP, EP, or a pipeline stage's whole tensor).
+    The conversions are pure rearrangements (renames, transposes, stacking, joining,
+    permuting rows), so each element of ours is one element of theirs; a tensor of ours that
+    their format has no place for converts to no slices.
+    """
+
+    def to_hf_slices(
+        self, name: str, shape: tuple[int, ...], index: Box, tensor: torch.Tensor
+    ) -> list[tuple[HFSlice, torch.Tensor]]:
+        """Where the box `index` of our tensor `name` (its values: `tensor`) goes in Hugging
+        Face's tensors: the slices it covers, each with its values. Together the slices of
+        every box of a tensor cover its Hugging Face tensors once."""
+
+    def from_hf_slice(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        index: Box,
+        read: Callable[[HFSlice], torch.Tensor],
+    ) -> torch.Tensor:
+        """The box `index` of our tensor `name`, built from the Hugging Face slices that
+        `read` returns (only those the box needs, or a little more: whole attention heads).
+        `read` raises KeyError for a name the checkpoint lacks."""
+
+
+def is_sliced_hf_adapter(adapter: object) -> bool:
+    """Whether `adapter` converts box by box (`SlicedHFAdapter`)."""
+    return callable(getattr(adapter, "to_hf_slices", None)) and callable(
+        getattr(adapter, "from_hf_slice", None)
+    )
 
 
 @dataclass(frozen=True)
@@ -186,6 +247,25 @@ class ModelSpec:
     a device as the model does there and compares it with a reference, returning one line per
     disagreement. A trainer runs it before training with block-causal attention and refuses a
     device where it fails (titan-models: `titan_models.attention.check_block_causal`)."""
+
+
+def build_hf_adapter(
+    spec: ModelSpec, args: Any, *, bos_token_id: int | None = None, eos_token_id: int | None = None
+) -> HFAdapter:
+    """`spec.hf_adapter(args)`, given the tokenizer's BOS and EOS ids where the family's adapter
+    takes them (titan-models' do): a `config.json` without them leaves generation without an
+    end."""
+    factory = spec.hf_adapter
+    if factory is None:
+        raise ValueError(f"model {spec.name!r} has no Hugging Face adapter")
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no keywords known
+        params = {}
+    open_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    kwargs = {k: v for k, v in ids.items() if v is not None and (k in params or open_keywords)}
+    return factory(args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- data
@@ -245,6 +325,11 @@ class DataSpec:
     """Optional: resolve a dataset name and path without reading it (no download) and return
     a one-line description, or raise ValueError/FileNotFoundError saying what is wrong. Lets
     a trainer reject a bad dataset before it starts any process."""
+    check_dataset: Callable[[str, str | None], None] | None = None
+    """Optional: open the dataset and read its first document (a hub dataset's first shard),
+    raising an error whose message names the dataset, why it cannot be read (no network, no
+    token, not in the cache, ...) and how to fix it. A trainer calls it once per job before
+    any process group exists."""
 
 
 # ----------------------------------------------------------------------------- converters

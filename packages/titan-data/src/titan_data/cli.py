@@ -16,7 +16,9 @@ def _workers_default() -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="titan-data", description=__doc__.split("\n")[0])
+    # The module docstring's first paragraph, whole: argparse rewraps it.
+    about = " ".join(__doc__.split("\n\n")[0].split())
+    parser = argparse.ArgumentParser(prog="titan-data", description=about)
     commands = parser.add_subparsers(dest="command", required=True)
     tok = commands.add_parser(
         "tokenize",

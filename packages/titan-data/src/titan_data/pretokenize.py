@@ -101,6 +101,8 @@ def tokenize_source(
                 return manifest
         writer.finish((reader.state_dict(), counter.skipped))
     finally:
+        # The last shard closes after the last batch: the bar ends with the final count.
+        bar.set_postfix_str(f"{writer.tokens:,} tokens, {len(manifest['shards'])} shards")
         bar.close()
         if pool is not None:
             pool.terminate()

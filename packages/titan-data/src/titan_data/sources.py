@@ -7,7 +7,10 @@ Forms of `dataset` (with `dataset_path`):
 - `pydocs_validation`: its held-out split, disjoint from `pydocs`; no path.
 - `c4`: `allenai/c4`, config `en`, split `train`, streamed from the hub; with `dataset_path`
   the local copy at that path is read instead (a clone of the hub repository or a folder of
-  its json.gz files), through the same `load_dataset` call.
+  its json.gz files), through the same `load_dataset` call. `c4_validation`: its validation
+  split (torchtitan's names).
+- `c4_test`: torchtitan's sample of C4 in its repository, the folder `tests/assets/c4_test`
+  relative to the working directory (or `dataset_path`), as torchtitan reads it.
 - `owner/name`: any hub dataset, split `train`, streamed; `dataset_path` again points at a
   local copy.
 - a local file, folder or glob of jsonl/json, parquet or plain-text files, or one of the
@@ -47,8 +50,16 @@ class HubDataset:
     text_field: str
 
 
-HUB_DATASETS = {"c4": HubDataset("allenai/c4", "en", "train", "text")}
+HUB_DATASETS = {
+    "c4": HubDataset("allenai/c4", "en", "train", "text"),
+    "c4_validation": HubDataset("allenai/c4", "en", "validation", "text"),
+}
 """Short names for hub datasets, as torchtitan users know them."""
+
+TORCHTITAN_FOLDERS = {"c4_test": "tests/assets/c4_test"}
+"""torchtitan's names for sample data inside its own repository: a folder relative to the
+working directory (a torchtitan checkout), as torchtitan reads it; `dataset_path` points
+elsewhere."""
 
 EMBEDDED = {"pydocs": "train", "pydocs_validation": "validation"}
 """Embedded dataset names and the split of the pydocs corpus each reads."""
@@ -60,7 +71,8 @@ EXTENSIONS = {
     **{f"{ext}{c}": "text" for ext in (".txt", ".text") for c in _COMPRESSIONS},
 }
 ACCEPTED = (
-    f"known names: {', '.join([*EMBEDDED, *HUB_DATASETS])}; a hub dataset as owner/name; "
+    f"known names: {', '.join([*EMBEDDED, *HUB_DATASETS, *TORCHTITAN_FOLDERS])}; a hub"
+    " dataset as owner/name; "
     "a local file, folder or glob of "
     f"{'/'.join(sorted({e.split('.')[1] for e in EXTENSIONS}))} files (optionally compressed); "
     f"a format name ({', '.join(FORMAT_NAMES)}) with the files in dataset_path; a folder"
@@ -84,6 +96,8 @@ class Source:
     line_format: str | None = None
     """`json` or `text` for local files read line by line."""
     build: Callable[[], datasets.IterableDataset] | None = None
+    hub_repo: str | None = None
+    """The Hugging Face hub repository streamed (None for local data and local copies)."""
 
 
 def _format_of(path: str) -> str | None:
@@ -156,14 +170,18 @@ def _local_source(name: str, spec: str, text_field: str, fmt: str | None = None)
 
 
 def _datasets_source(
-    name: str, description: str, text_field: str, build: Callable[[], datasets.IterableDataset]
+    name: str,
+    description: str,
+    text_field: str,
+    build: Callable[[], datasets.IterableDataset],
+    hub_repo: str | None = None,
 ) -> Source:
     def open_rows(slot: int, slots: int) -> DatasetsReader:
         return DatasetsReader(
             build, text_field, slot, slots, describe=lambda: f"dataset {name} ({description})"
         )
 
-    return Source(name, description, text_field, open_rows, build=build)
+    return Source(name, description, text_field, open_rows, build=build, hub_repo=hub_repo)
 
 
 def scan_bad_rows(source: Source) -> tuple[int, str | None]:
@@ -210,7 +228,20 @@ def _hub_source(name: str, hub: HubDataset, local_copy: str | None) -> Source:
 
     what = f"{hub.path}" + (f" ({hub.config})" if hub.config else "") + f" split {hub.split}"
     where = f"local copy {local_copy}" if local_copy else "Hugging Face hub, streaming"
-    return _datasets_source(name, f"{what} from {where}", hub.text_field, build)
+    repo = None if local_copy else hub.path
+    return _datasets_source(name, f"{what} from {where}", hub.text_field, build, repo)
+
+
+def _torchtitan_folder(name: str, dataset_path: str | None, text_field: str) -> Source:
+    folder = dataset_path or TORCHTITAN_FOLDERS[name]
+    if not os.path.exists(os.path.expanduser(folder)):
+        where = "dataset_path" if dataset_path else "torchtitan reads it from"
+        raise FileNotFoundError(
+            f"dataset {name} is torchtitan's sample of C4 in its repository; {where} {folder}"
+            f" (from {os.getcwd()}) does not exist. Run from a torchtitan checkout, set"
+            f" dataset_path to that folder, or train on pydocs (embedded) or c4 (the hub)"
+        )
+    return _local_source(name, folder, text_field)
 
 
 def _pydocs_source(name: str) -> Source:
@@ -265,6 +296,8 @@ def load_source(
         return _local_source(dataset, dataset_path, text_field, FORMAT_NAMES[dataset])
     if dataset in HUB_DATASETS:
         return _hub_source(dataset, HUB_DATASETS[dataset], dataset_path)
+    if dataset in TORCHTITAN_FOLDERS:
+        return _torchtitan_folder(dataset, dataset_path, text_field)
     if _looks_like_path(dataset):
         if dataset_path is not None:
             raise ValueError(

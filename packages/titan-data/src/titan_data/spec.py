@@ -3,6 +3,7 @@
 from titan_core import DataSpec
 from titan_data.loader import build_dataloader
 from titan_data.mixture import parse_datasets
+from titan_data.reachability import check_dataset
 from titan_data.sources import load_source
 from titan_data.tokenizer import load_tokenizer
 
@@ -24,4 +25,5 @@ data_spec = DataSpec(
     build_tokenizer=load_tokenizer,
     build_dataloader=build_dataloader,
     describe_dataset=describe_dataset,
+    check_dataset=check_dataset,
 )

@@ -2,13 +2,15 @@
 
 import importlib.metadata
 
-from titan_float8.config import Float8, recipe_names
+from titan_float8.config import Float8, quiet_torchao_import, recipe_names
 from titan_float8.converter import Float8Converter, build_float8_converter
 from titan_float8.filters import skip_reason, too_small_for_float8
 from titan_float8.hardware import float8_hardware_problem
 from titan_float8.tensor_parallel import float8_tp_styles
 
 __version__ = importlib.metadata.version("titan-llm-float8")  # the pyproject's version, one source
+
+quiet_torchao_import()  # whichever module imports torchao first
 
 __all__ = [
     "Float8",

@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field
 
 SECTION = "[quantize.linear.float8]"
+AUTO_FILTER_FLAG = "auto_filter_small_kn"
+"""torchtitan's switch for `auto_filter_small_kn`, written among the `filter_fqns`."""
+
+
+class _TorchaoImportNotice(logging.Filter):
+    """Importing torchao 0.18 under torch 2.12+ logs that registering its `KernelPreference`
+    enum as a pytree constant is deprecated: torchao's business, nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "register_constant() on Enum subclasses is deprecated" not in str(record.msg)
+
+
+def quiet_torchao_import() -> None:
+    """Drop that one notice at its source (torch's pytree logger) before torchao is imported."""
+    logger = logging.getLogger("torch.utils._pytree")
+    if not any(isinstance(f, _TorchaoImportNotice) for f in logger.filters):
+        logger.addFilter(_TorchaoImportNotice())
 
 
 def recipe_names() -> list[str]:
@@ -26,11 +44,25 @@ class Float8:
     precompute_float8_dynamic_scale_for_fsdp: bool = False
     """Compute every weight's Float8 scale in one all-reduce after the optimizer step (needs enable_fsdp_float8_all_gather)."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Leave a linear in high precision when any of these strings occurs in its fully qualified name."""
+    """Leave a linear in high precision when any of these strings occurs in its fully qualified
+    name. torchtitan's "auto_filter_small_kn" among them turns auto_filter_small_kn on."""
     auto_filter_small_kn: bool = False
     """Leave linears whose K/N are too small for Float8 to pay off in high precision (torchao's H100 thresholds; see the README)."""
     emulate: bool = False
     """Emulate the Float8 matmuls in high precision: for testing on hardware without Float8 support (e.g. CUDA capability < 8.9)."""
+
+    def __post_init__(self) -> None:
+        if AUTO_FILTER_FLAG in self.filter_fqns:  # torchtitan's way to turn the filter on
+            from titan_core import get_logger
+
+            self.filter_fqns = [name for name in self.filter_fqns if name != AUTO_FILTER_FLAG]
+            self.auto_filter_small_kn = True
+            get_logger("config").info(
+                '%s filter_fqns "%s" is torchtitan\'s switch: read as %s = true',
+                SECTION,
+                AUTO_FILTER_FLAG,
+                AUTO_FILTER_FLAG,
+            )
 
     @property
     def recipe(self) -> str:
@@ -39,7 +71,9 @@ class Float8:
 
     def validate(self) -> list[str]:
         problems = []
-        known = recipe_names()
+        # torchao is imported only to check a recipe someone named: a run without Float8
+        # neither pays for the import nor sees what it logs.
+        known = recipe_names() if self.recipe_name is not None else []
         if self.recipe_name is not None and self.recipe_name not in known:
             close = difflib.get_close_matches(self.recipe_name, known, n=1)
             problems.append(

@@ -16,10 +16,19 @@ Structure: `tok_embeddings` -> `layers` ("0".."n-1", each a `DecoderBlock`: RMSN
 attention -> residual, RMSNorm -> feed-forward -> residual) -> `norm` -> `output`. Nothing is
 global: a module's behaviour depends only on the family's args.
 
+Multi-token prediction (`titan_models.mtp`): with `n_mtp_layers` = D > 0 in the family's args,
+`layers` also holds D `MTPLayer`s after the main blocks (keys "n".."n+D-1", the decoder's
+`head_layers`). In training mode `forward` returns a tuple: the logits, then those of each
+depth (depth k at position i predicts the token k + 1 positions after the next one); in eval
+mode, and with a KV cache, the logits alone (the layers are not run).
+
 Parallelism hooks: attention reshapes heads with -1 so tensor parallel can shard them
 (`tp_plan()`); pipeline parallel may delete blocks from `layers` and set `tok_embeddings`,
 `norm` or `output` to None (`pre_blocks`, `post_blocks`), in which case `forward` passes its
-input through that step unchanged, and the names of what a stage keeps are the full model's.
+input through that step unchanged, and the names of what a stage keeps are the full model's;
+it keeps the `head_layers` on the last stage. With MTP in training, what passes between
+stages is `[1 + D, batch, seq, dim]`: the hidden states and the embeddings of the tokens ahead,
+which the first stage (it holds the embedding) computes for the last.
 The position tables are non-persistent buffers with one row per position (dimension 0), so
 context parallel cuts them with the sequence (`cp_buffers()`).
 
@@ -34,12 +43,11 @@ draw is truncated at 3 standard deviations except the embedding:
 - RMSNorm scales: 1; a mixture of experts' expert bias (a buffer saved with the weights): 0.
 - `output`: std dim**-0.5, so initial logits have unit scale. With tied embeddings the shared
   matrix gets this init (normal(0, 1) would make the logits sqrt(dim) times too large).
+- an MTP layer: its block like block n + k, its norms 1, `eh_proj` std 0.02.
 On DTensor parameters each rank draws only the blocks of its own shard (see titan_core.init).
 
-Where new features hang: `head(h)` is every step after the blocks. A family that adds modules
-after the final norm (a multi-token-prediction module) builds them in its `__init__`, names
-them in `post_blocks` (pipeline parallel then places them on the last stage), adds their rules
-to `init_plan` and their step to `head`; a feature that replaces the output projection (a fused
+Where new features hang: `head(h, ...)` is every step after the blocks (the final norm, the
+output projection, the MTP layers); a feature that replaces the output projection (a fused
 linear + cross-entropy) overrides `head`. `moe_layers()` lists the mixture-of-experts layers
 the module holds (load balancing). A family whose attention takes no block-causal mask
 overrides `forward` without `document_ids`, so that the trainer refuses block_causal for it.
@@ -56,8 +64,10 @@ from torch import nn
 from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
 from titan_models.attention import GroupedQueryAttention, build_attention_mask
+from titan_models.decoder_block import DecoderBlock
 from titan_models.generation import KVCache
 from titan_models.moe import MoE, MoEArgs, SwiGLU, moe_init_plan, swiglu_init_plan
+from titan_models.mtp import MTP_TP_PLAN, MTPLayer, mtp_init_plan, tokens_ahead
 from titan_models.weights import init_by_plan_
 
 BASE_STD = 0.02
@@ -81,6 +91,7 @@ class DecoderArgs(Protocol):
     max_seq_len: int
     tie_word_embeddings: bool
     depth_init: bool
+    # Optional: `n_mtp_layers` (int, default 0), the multi-token-prediction depth.
 
 
 def block_init_plan(
@@ -99,23 +110,6 @@ def block_init_plan(
     return plan | {f"feed_forward.{n}": p for n, p in ffn.items()}
 
 
-class DecoderBlock(nn.Module):
-    """RMSNorm -> attention -> residual, RMSNorm -> feed-forward -> residual."""
-
-    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.attention = attention
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = feed_forward
-
-    def forward(self, x: torch.Tensor, *tables: torch.Tensor, **attention_inputs) -> torch.Tensor:
-        """`tables`: the model's position tables at x's positions; `attention_inputs`:
-        `kv_cache` and `start` (generation) or `mask` (packed documents), for the attention."""
-        h = x + self.attention(self.attention_norm(x), *tables, **attention_inputs)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
 class Decoder(nn.Module):
     """A decoder-only language model; satisfies `titan_core.protocols.ParallelizableModel`.
 
@@ -132,8 +126,17 @@ class Decoder(nn.Module):
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.args = args
+        self.mtp_depth: int = getattr(args, "n_mtp_layers", 0)
+        """Multi-token-prediction layers (0: none)."""
+        n = args.n_layers
+        self.head_layers = tuple(str(i) for i in range(n, n + self.mtp_depth))
+        """The keys of `layers` that run after the final norm (the MTP layers)."""
+        # Named in post_blocks, pipeline parallel keeps them on the last stage with the output.
+        self.post_blocks = ("norm", "output", *(f"layers.{k}" for k in self.head_layers))
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): self.build_block(i) for i in range(n + self.mtp_depth)}
+        )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self._tie_weights()
@@ -164,11 +167,13 @@ class Decoder(nn.Module):
     # The shared decoder.
 
     def build_block(self, layer_id: int) -> nn.Module:
+        """Block `layer_id`: a `DecoderBlock`, or an `MTPLayer` from n_layers on."""
         moe = self.moe_args(layer_id)
         attention = self.attention_class(layer_id, self.args)
         dim = self.args.dim
         ffn = SwiGLU(dim, self.dense_hidden_dim()) if moe is None else MoE(dim, moe)
-        return DecoderBlock(dim, self.args.norm_eps, attention, ffn)
+        block = MTPLayer if layer_id >= self.args.n_layers else DecoderBlock
+        return block(dim, self.args.norm_eps, attention, ffn)
 
     def _apply(self, fn, recurse=True):
         # Module._apply gives each module a fresh Parameter when a tensor changes device type
@@ -186,14 +191,17 @@ class Decoder(nn.Module):
 
     def block_init_plan(self, layer_id: int) -> dict[str, ParamInit]:
         """How block `layer_id`'s parameters start, by name relative to the block."""
-        return block_init_plan(layer_id, self.args, self.attention_class, self.moe_args(layer_id))
+        plan = block_init_plan(layer_id, self.args, self.attention_class, self.moe_args(layer_id))
+        if layer_id >= self.args.n_layers:  # an MTP layer
+            plan |= mtp_init_plan(BASE_STD)
+        return plan
 
     def init_plan(self) -> dict[str, ParamInit]:
         """How every parameter of the full model starts, by fully qualified name (see the
         module docstring). Names of blocks a pipeline stage does not hold are included."""
         plan: dict[str, ParamInit] = {}
         # Built from the args, not from self.layers, so a stage knows every block's rule.
-        for i in range(self.args.n_layers):
+        for i in range(self.args.n_layers + self.mtp_depth):
             plan |= {f"layers.{i}.{n}": p for n, p in self.block_init_plan(i).items()}
         plan["norm.weight"] = _ONE
         if self.args.tie_word_embeddings:
@@ -238,26 +246,40 @@ class Decoder(nn.Module):
         tokens: torch.Tensor,
         kv_cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits of every position of `tokens`. With `kv_cache` (generation, see
-        `titan_models.generation`) the tokens continue the positions the cache holds, and
-        their keys and values join it. With `document_ids` (`[batch, seq]`, see
-        `titan_models.attention`) a position attends only within its own document."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if kv_cache is None:
-            h = self._blocks(h, document_ids)
-        else:
-            h = self._continue(h, kv_cache)
-        return self.head(h)
-
-    def _blocks(self, h: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
-        """The blocks on hidden states of whole sequences (training, evaluation)."""
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Logits of every position of `tokens` (in training with MTP, a tuple: these, then
+        each depth's). With `kv_cache` (generation, see `titan_models.generation`) the tokens
+        continue the positions the cache holds, and their keys and values join it. With
+        `document_ids` (`[batch, seq]`, see `titan_models.attention`) a position attends only
+        within its own document."""
+        predicting = self.mtp_depth if self.training and kv_cache is None else 0
+        h, ahead = self._embed(tokens, predicting)
+        if kv_cache is not None:
+            return self.head(self._continue(h, kv_cache))
         mask = build_attention_mask(document_ids)
         inputs = {} if mask is None else {"mask": mask}
         tables = [getattr(self, name) for name in self.table_names]
-        for block in self.layers.values():
-            h = block(h, *tables, **inputs)
-        return h
+        for key, block in self.layers.items():
+            if key not in self.head_layers:
+                h = block(h, *tables, **inputs)
+        return self.head(h, ahead, tables, inputs)
+
+    def _embed(
+        self, tokens: torch.Tensor, predicting: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The hidden states the blocks start from, and with MTP the embeddings of the tokens
+        ahead (from the embedding, or from what an earlier pipeline stage passed on)."""
+        if self.tok_embeddings is None:  # a later pipeline stage
+            if not predicting:
+                return tokens, []
+            h, *ahead = tokens.unbind(0)
+            return h, ahead
+        if not predicting:
+            return self.tok_embeddings(tokens), []
+        # One lookup for all (FSDP gathers the table once): the tokens, then those ahead.
+        embedded = self.tok_embeddings(torch.cat([tokens, tokens_ahead(tokens, predicting)]))
+        h, *ahead = embedded.split(tokens.shape[0])
+        return h, ahead
 
     def _continue(self, h: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """The blocks on hidden states at the positions after those `kv_cache` holds."""
@@ -270,16 +292,36 @@ class Decoder(nn.Module):
             )
         rows = [getattr(self, name)[start : start + seq_len] for name in self.table_names]
         for name, block in self.layers.items():
-            h = block(h, *rows, kv_cache=kv_cache.layer(name), start=start)
+            if name not in self.head_layers:
+                h = block(h, *rows, kv_cache=kv_cache.layer(name), start=start)
         kv_cache.pos += seq_len
         return h
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
+    def head(
+        self,
+        h: torch.Tensor,
+        ahead: list[torch.Tensor] | None = None,
+        tables: list[torch.Tensor] | None = None,
+        inputs: dict | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Every step after the blocks: the final norm, then the output projection (either
-        None on a pipeline stage that does not end the model)."""
+        None on a pipeline stage that does not end the model). With `ahead` (MTP in
+        training: the embeddings of the tokens each depth reads), the MTP layers after them
+        on the blocks' `tables` and attention `inputs`, each through the same output
+        projection; a stage before the last passes `ahead` on under the hidden states."""
+        ahead = ahead or []
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return torch.stack([h, *ahead]) if ahead else h
+        logits = self.output(h)
+        if not ahead:
+            return logits
+        outputs = [logits]
+        for key, embedded in zip(self.head_layers, ahead, strict=True):
+            h = self.layers[key](h, embedded, *(tables or []), **(inputs or {}))
+            outputs.append(self.output(h))
+        return tuple(outputs)
 
     def tp_plan(self) -> TPPlan:
         """Attention as its class says (by heads); the dense feed-forward split in the dense
@@ -291,14 +333,23 @@ class Decoder(nn.Module):
         block |= {f"attention.{n}": style for n, style in attention.items()}
         block["ffn_norm"] = "sequence_parallel"
         dense = block | _DENSE_FFN_TP_PLAN
-        n_layers = self.args.n_layers
+        n_layers = self.args.n_layers + self.mtp_depth
         moe_blocks = {i for i in range(n_layers) if self.moe_args(i) is not None}
+        blocks = {str(i): dense for i in range(n_layers) if moe_blocks and i not in moe_blocks}
+        for key in self.head_layers:  # an MTP layer: its block, and its own modules
+            blocks[key] = blocks.get(key, block if moe_blocks else dense) | MTP_TP_PLAN
         return TPPlan(
             root=dict(_ROOT_TP_PLAN),
             block=block if moe_blocks else dense,
-            blocks={str(i): dense for i in range(n_layers) if moe_blocks and i not in moe_blocks},
+            blocks=blocks,
             divisible_by_tp=self.attention_class.divisible_by_tp(self.args),
         )
 
     def cp_buffers(self) -> dict[str, int]:
+        if self.mtp_depth:  # a rank's shard lacks the tokens ahead at its end
+            raise ValueError(
+                f"multi-token prediction (n_mtp_layers = {self.mtp_depth}) reads the tokens up"
+                f" to {self.mtp_depth} positions ahead, which context parallel puts on other"
+                " ranks\ntrain with n_mtp_layers = 0, or without context parallel"
+            )
         return dict.fromkeys(self.table_names, 0)  # one row per position

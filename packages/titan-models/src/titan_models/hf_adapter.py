@@ -15,16 +15,32 @@ converts; a transform's tensors convert once all of them are there, and an unkno
 incomplete name raises a KeyError that names it. Tied embeddings: Hugging Face's tied
 checkpoints carry only `embed_tokens`; ours has the shared matrix under both names. Tensors
 must be full (unsharded): gather DTensors before converting.
+
+Multi-token-prediction layers (`titan_models.mtp`, `n_mtp_layers` in the args) are the layers
+after the main blocks in both, named as in DeepSeek-V3's checkpoints (`model.layers.61.*`):
+the block's names as in any layer, plus `MTP_NAMES`. DeepSeek's checkpoints also keep a copy
+of the embedding and of the output projection in each of them (`MTP_SHARED`), which ours
+shares with the main model: `to_hf` writes the copies, and `from_hf` checks that they equal
+the main model's (a ValueError names the one that differs) and leaves them out.
+
+`to_hf_slices` and `from_hf_slice` (`titan_core.protocols.SlicedHFAdapter`) convert one box
+of one tensor instead, each transform saying which boxes of theirs a box of ours covers:
+titan-ckpt imports and exports sharded models with them, each rank touching its own shards
+only. The multi-token-prediction copies are written with the matrix they copy; an import
+reads the main model's matrix only (the whole-dict `from_hf` is the one that compares them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
+
+from titan_core.protocols import Box, HFSlice
 
 ROOT_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -43,6 +59,18 @@ NORM_NAMES = {
 """A block's two RMSNorms."""
 EXPERT_WEIGHTS = ("feed_forward.experts.w1", "feed_forward.experts.w3", "feed_forward.experts.w2")
 """A mixture-of-experts block's stacked expert weights (`titan_models.moe.GroupedExperts`)."""
+MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+"""A multi-token-prediction layer's own tensors (`titan_models.mtp.MTPLayer`)."""
+MTP_SHARED = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
+"""Hugging Face's copies, in each multi-token-prediction layer, of our shared matrices."""
 
 
 def attention_names() -> dict[str, str]:
@@ -65,10 +93,26 @@ def gqa_config(args: Any) -> dict[str, Any]:
     }
 
 
+Read = Callable[[HFSlice], torch.Tensor]
+"""Reads a box of a Hugging Face tensor (see `SlicedHFAdapter.from_hf_slice`)."""
+
+
+def box_shape(index: Box) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in index)
+
+
+def _shifted(index: Box, dim: int, offset: int) -> Box:
+    moved = slice(index[dim].start + offset, index[dim].stop + offset)
+    return (*index[:dim], moved, *index[dim + 1 :])
+
+
 class Transform:
     """Some of a block's tensors that are more than renamed: `ours` (names relative to the
     block) to Hugging Face's and back. `where` (e.g. "LlamaHFAdapter.to_hf: layer 3") starts
-    any error message."""
+    any error message.
+
+    `to_hf_slices` and `from_hf_slice` do the same for one box of one of `ours` (see
+    `titan_core.protocols.SlicedHFAdapter`), with names relative to the block."""
 
     ours: tuple[str, ...] = ()
     theirs: str | None = None
@@ -86,6 +130,16 @@ class Transform:
 
     def complete(self, layer: dict[str, torch.Tensor]) -> None:
         """After import: add to one block's converted tensors what Hugging Face's lack."""
+
+    def to_hf_slices(
+        self, name: str, shape: tuple[int, ...], index: Box, tensor: torch.Tensor, where: str
+    ) -> list[tuple[HFSlice, torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__} converts whole tensors only")
+
+    def from_hf_slice(
+        self, name: str, shape: tuple[int, ...], index: Box, read: Read, where: str
+    ) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} converts whole tensors only")
 
 
 class Joined(Transform):
@@ -109,6 +163,21 @@ class Joined(Transform):
         else:
             pieces = tensor.split(self.sizes, dim=self.dim)
         return {n: piece.contiguous() for n, piece in zip(self.ours, pieces)}
+
+    def _placed(self, name: str, shape: tuple[int, ...], index: Box) -> HFSlice:
+        """Where box `index` of our `name` lies in theirs: moved along `dim` past the parts
+        before it."""
+        dim = self.dim % len(shape)
+        sizes = self.sizes or [shape[dim]] * len(self.ours)
+        part = self.ours.index(name)
+        theirs_shape = (*shape[:dim], sum(sizes), *shape[dim + 1 :])
+        return HFSlice(self.theirs, theirs_shape, _shifted(index, dim, sum(sizes[:part])))
+
+    def to_hf_slices(self, name, shape, index, tensor, where):
+        return [(self._placed(name, shape, index), tensor)]
+
+    def from_hf_slice(self, name, shape, index, read, where):
+        return read(self._placed(name, shape, index))
 
 
 class PerExpert(Transform):
@@ -143,6 +212,21 @@ class PerExpert(Transform):
             )
         return {self.ours[0]: torch.stack([parts[e].t() for e in range(n)])}
 
+    def _expert_slices(self, shape: tuple[int, ...], index: Box) -> list[HFSlice]:
+        """Box (experts, in, out) of ours: the box (out, in) of each of those experts."""
+        experts, ins, outs = index
+        return [
+            HFSlice(self.theirs.format(e), (shape[2], shape[1]), (outs, ins))
+            for e in range(experts.start, experts.stop)
+        ]
+
+    def to_hf_slices(self, name, shape, index, tensor, where):
+        slices = self._expert_slices(shape, index)
+        return [(hf, w.t()) for hf, w in zip(slices, tensor.unbind(0))]
+
+    def from_hf_slice(self, name, shape, index, read, where):
+        return torch.stack([read(hf).t() for hf in self._expert_slices(shape, index)])
+
 
 class ZeroOnly(Transform):
     """A tensor of ours that their format has no place for: exported only while it is zero
@@ -167,6 +251,13 @@ class ZeroOnly(Transform):
         if any(torch.count_nonzero(t) for t in parts.values()):
             raise ValueError(f"{where} has {self.refusal}")
         return {}
+
+    def to_hf_slices(self, name, shape, index, tensor, where):
+        self.to_hf({name: tensor}, where)
+        return []
+
+    def from_hf_slice(self, name, shape, index, read, where):
+        return torch.zeros(box_shape(index), dtype=torch.float32)
 
     def complete(self, layer):
         present = [layer[n] for n in self.alongside if n in layer]
@@ -196,6 +287,10 @@ class DecoderHFAdapter:
         self._transforms = self.transforms()
         self._taker = {name: t for t in self._transforms for name in t.ours}
         self._to_hf_layer = {o: h for o, h in self.layer_names.items() if o not in self._taker}
+        n, depth = args.n_layers, getattr(args, "n_mtp_layers", 0)
+        self._mtp_layers = [str(i) for i in range(n, n + depth)]
+        if depth:
+            self._to_hf_layer |= MTP_NAMES
         self._from_hf_layer = {h: o for o, h in self._to_hf_layer.items()}
         self._from_hf_root = {h: o for o, h in ROOT_NAMES.items()}
 
@@ -234,6 +329,7 @@ class DecoderHFAdapter:
         pending: dict[tuple[str, Transform], dict] = defaultdict(dict)
         for name, tensor in state_dict.items():
             if name in ROOT_NAMES:
+                out |= self._mtp_copies(name, tensor)
                 if name == "output.weight" and self.args.tie_word_embeddings:
                     continue  # Hugging Face's tied checkpoints carry only embed_tokens
                 out[ROOT_NAMES[name]] = tensor
@@ -256,6 +352,14 @@ class DecoderHFAdapter:
             out.setdefault("model.embed_tokens.weight", state_dict["output.weight"])
         return out
 
+    def _mtp_copies(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """DeepSeek's copies of a shared matrix in each multi-token-prediction layer."""
+        if name not in MTP_SHARED.values():
+            return {}
+        tied = self.args.tie_word_embeddings  # then both copies are the one matrix
+        suffixes = [h for h, o in MTP_SHARED.items() if o == name or tied]
+        return {f"model.layers.{i}.{h}": tensor for i in self._mtp_layers for h in suffixes}
+
     def _converted(self, layer: str, transform: Transform, parts: dict) -> dict[str, torch.Tensor]:
         hf = transform.to_hf(parts, f"{type(self).__name__}.to_hf: layer {layer}")
         return {f"model.layers.{layer}.{n}": t for n, t in hf.items()}
@@ -264,12 +368,16 @@ class DecoderHFAdapter:
         out: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, Transform], dict] = defaultdict(dict)
         layers: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        copies: dict[str, torch.Tensor] = {}
         for name, tensor in hf_state_dict.items():
             if name in self._from_hf_root:
                 out[self._from_hf_root[name]] = tensor
                 continue
             match = HF_LAYER.fullmatch(name)
             layer, suffix = match.groups() if match else (None, None)
+            if layer in self._mtp_layers and suffix in MTP_SHARED:
+                copies[name] = tensor
+                continue
             if suffix in self._from_hf_layer:
                 layers[layer][self._from_hf_layer[suffix]] = tensor
                 continue
@@ -290,7 +398,68 @@ class DecoderHFAdapter:
             shared = out.get("tok_embeddings.weight", out.get("output.weight"))
             if shared is not None:
                 out["tok_embeddings.weight"] = out["output.weight"] = shared
+        self._check_mtp_copies(copies, out)
         return out
+
+    def _check_mtp_copies(self, copies: dict[str, torch.Tensor], ours: dict) -> None:
+        """Each multi-token-prediction layer's copy of a shared matrix must equal the main
+        model's (when the state dict holds both): ours has one matrix for both uses."""
+        for name, tensor in copies.items():
+            shared = MTP_SHARED[HF_LAYER.fullmatch(name).group(2)]
+            if self.args.tie_word_embeddings:
+                shared = "tok_embeddings.weight"
+            main = ours.get(shared)
+            if main is not None and not torch.equal(main, tensor):
+                raise ValueError(
+                    f"{type(self).__name__}.from_hf: {name} differs from the main model's"
+                    f" {ROOT_NAMES[shared]}, but the multi-token-prediction layers share it (as"
+                    " DeepSeek-V3 trains them)\nimport into a flavor with n_mtp_layers = 0 to"
+                    " leave the MTP layers out"
+                )
+
+    def to_hf_slices(
+        self, name: str, shape: tuple[int, ...], index: Box, tensor: torch.Tensor
+    ) -> list[tuple[HFSlice, torch.Tensor]]:
+        if name in ROOT_NAMES:
+            if name == "output.weight" and self.args.tie_word_embeddings:
+                return []  # written once, as embed_tokens (and its MTP copies with it)
+            names = [ROOT_NAMES[name], *self._mtp_copies(name, tensor)]
+            return [(HFSlice(hf, shape, index), tensor) for hf in names]
+        layer, suffix = self._layer_of(name, "to_hf_slices")
+        prefix = f"model.layers.{layer}."
+        if suffix in self._to_hf_layer:
+            return [(HFSlice(prefix + self._to_hf_layer[suffix], shape, index), tensor)]
+        where = f"{type(self).__name__}.to_hf_slices: layer {layer}"
+        slices = self._taker[suffix].to_hf_slices(suffix, shape, index, tensor, where)
+        return [(dataclasses.replace(hf, name=prefix + hf.name), t) for hf, t in slices]
+
+    def from_hf_slice(
+        self, name: str, shape: tuple[int, ...], index: Box, read: Read
+    ) -> torch.Tensor:
+        if name in ROOT_NAMES:
+            if name == "output.weight" and self.args.tie_word_embeddings:
+                name = "tok_embeddings.weight"  # the one matrix a tied checkpoint carries
+            return read(HFSlice(ROOT_NAMES[name], shape, index))
+        layer, suffix = self._layer_of(name, "from_hf_slice")
+        prefix = f"model.layers.{layer}."
+        if suffix in self._to_hf_layer:
+            return read(HFSlice(prefix + self._to_hf_layer[suffix], shape, index))
+
+        def read_in_block(hf: HFSlice) -> torch.Tensor:
+            return read(dataclasses.replace(hf, name=prefix + hf.name))
+
+        where = f"{type(self).__name__}.from_hf_slice: layer {layer}"
+        return self._taker[suffix].from_hf_slice(suffix, shape, index, read_in_block, where)
+
+    def _layer_of(self, name: str, method: str) -> tuple[str, str]:
+        """A block tensor's layer and name in the block; KeyError for a name we cannot convert."""
+        match = _OURS_LAYER.fullmatch(name)
+        known = match is not None and (
+            match.group(2) in self._to_hf_layer or match.group(2) in self._taker
+        )
+        if not known:
+            raise KeyError(f"{type(self).__name__}.{method}: no Hugging Face name for {name!r}")
+        return match.group(1), match.group(2)
 
     def _hf_taker(self, hf_name: str) -> tuple[Transform, Hashable] | None:
         """The transform that takes this Hugging Face name (relative to the block), and the

@@ -10,6 +10,7 @@ import importlib.metadata
 
 from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
 from titan_parallel.compile import apply_compile, compile_loss
+from titan_parallel.compiled_memory import simulated_backend
 from titan_parallel.config import (
     ActivationCheckpoint,
     Compile,
@@ -25,6 +26,7 @@ from titan_parallel.context_parallel import (
     cp_unshard,
     enable_cpu_ring_attention,
 )
+from titan_parallel.cuda_kernels import cuda_kernels
 from titan_parallel.data_parallel import (
     apply_ddp,
     apply_fsdp,
@@ -100,6 +102,7 @@ __all__ = [
     "fake_process_group",
     "fake_tensors",
     "resident_bytes",
+    "simulated_backend",
     "Compile",
     "Parallelism",
     "apply_ac",
@@ -115,6 +118,7 @@ __all__ = [
     "check_tp_plan",
     "clip_grad_norm_",
     "compile_loss",
+    "cuda_kernels",
     "copy_block_inputs",
     "dist_max",
     "dist_mean",

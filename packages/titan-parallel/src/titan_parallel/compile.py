@@ -23,11 +23,22 @@ def apply_compile(model: nn.Module, compile: Compile) -> None:
     """
     if not compile.compiles("model"):
         return
+    _run_side_effects_once_under_checkpoint()
     for block in model.layers.values():
         # Expert parallel's token exchange reads split sizes on the host and runs outside
         # the graph: a block holding it is compiled in the pieces around it.
         whole = not any(hasattr(m, "_titan_expert_shards") for m in block.modules())
         block.compile(backend=compile.backend, fullgraph=whole)
+
+
+def _run_side_effects_once_under_checkpoint() -> None:
+    # Activation checkpointing replays a block's forward in backward, and eager code replays
+    # its Python side effects with it (a MoE layer's token counts and auxiliary loss); compiled
+    # code cannot, and dynamo refuses such a checkpointed block unless told that they may run
+    # once (torch >= 2.10 has the switch).
+    config = torch._dynamo.config
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def compile_loss(loss_fn: Callable, compile: Compile) -> Callable:

@@ -19,9 +19,14 @@ peak. The same tracker runs on real tensors too, which is how the estimate is va
             peak = estimate_step_memory([model], optimizer, lambda: train_step(model, optimizer))
     print(peak.describe())
 
+Compiled regions are counted as inductor would run them when they were compiled with
+`simulated_backend()` (see `titan_parallel.compiled_memory`): what its partitioner saves for
+backward, without the intermediates its fused kernels never write. A step simulated for GPUs
+on the CPU runs under `cuda_kernels()`, where CUDA's kernels keep less than the CPU's (see
+`titan_parallel.cuda_kernels`).
+
 What the estimate leaves out: the CUDA caching allocator's fragmentation and reserve, the
-CUDA context and NCCL's own buffers (a few GiB per GPU: keep headroom), and compiled code's
-fusions (the step runs eagerly; compiling usually needs less).
+CUDA context and NCCL's own buffers (a few GiB per GPU: keep headroom).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+from titan_parallel.compiled_memory import compiled_regions_traceable, counts_allocations
 
 GiB = 1024**3
 
@@ -166,6 +173,38 @@ def _update_global_peak(tracker, _peak_state) -> None:
             tracker._peak_mem_snap[device] = dict(snapshot)
 
 
+def _sees_compiled_code(tracker_class: type) -> type:
+    """`tracker_class` that counts what compiled regions allocate.
+
+    Its dispatch mode lets torch.compile run (by default dynamo skips compiled code while a
+    dispatch mode is active, and the region would run eagerly): compilation happens with the
+    tracker off and the compiled graphs' operations run under it. Under the simulation
+    backend (`titan_parallel.compiled_memory`), what inductor would fuse away is not counted.
+    """
+
+    class Tracker(tracker_class):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not counts_allocations():
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        # FSDPMemTracker wraps each FSDP module's forward hooks with its own. FSDP's hooks are
+        # hidden from dynamo; the wrappers must be too, or dynamo would compile them as frames
+        # of the compiled module's call.
+        def _fsdp_state_pre_forward(self, *args, **kwargs):
+            return torch._dynamo.disable(super()._fsdp_state_pre_forward(*args, **kwargs))
+
+        def _fsdp_state_post_forward(self, *args, **kwargs):
+            return torch._dynamo.disable(super()._fsdp_state_post_forward(*args, **kwargs))
+
+    Tracker.__name__ = Tracker.__qualname__ = tracker_class.__name__
+    return Tracker
+
+
 class StepMemoryTracker:
     """Counts the memory of everything run inside `with tracker:` by kind, on real or fake
     tensors, for one or several model parts (pipeline stages) and their optimizer.
@@ -181,12 +220,14 @@ class StepMemoryTracker:
 
         parts = list(parts)
         if any(isinstance(p, FSDPModule) for p in parts):
-            tracker = FSDPMemTracker(next(p for p in parts if isinstance(p, FSDPModule)), optimizer)
+            tracker = _sees_compiled_code(FSDPMemTracker)(
+                next(p for p in parts if isinstance(p, FSDPModule)), optimizer
+            )
             # FSDPMemTracker instruments the FSDP modules under one root; a pipeline rank
             # holds several roots, so hand it a container of all of them.
             tracker._root_mod = nn.ModuleList(parts)
         else:
-            tracker = MemTracker()
+            tracker = _sees_compiled_code(MemTracker)()
             tracker.track_external(*parts, *([optimizer] if optimizer is not None else []))
         # torch's trackers take a second forward call of a top-level module for the start of
         # the next iteration and refuse it; a pipeline stage is called once per microbatch.
@@ -197,13 +238,17 @@ class StepMemoryTracker:
         # used here.
         tracker._update_peak_stats = functools.partial(_update_global_peak, tracker)
         self._tracker = tracker
+        self._parts = parts
+        self._compiled = contextlib.ExitStack()
 
     def __enter__(self) -> StepMemoryTracker:
+        self._compiled.enter_context(compiled_regions_traceable(self._parts))
         self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
+        self._compiled.close()
 
     def peak(self) -> MemoryBreakdown:
         """The breakdown at the moment of highest total use (one device)."""

@@ -12,6 +12,7 @@ gradients summed over microbatches equal those of the mean loss over the whole l
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -131,30 +132,59 @@ class StageIO:
     """The first stage's input (token ids)."""
     hidden: torch.Tensor
     """What every stage but the last passes on, and every stage but the first receives."""
-    last_output: torch.Tensor
-    """The last stage's output (logits; a DTensor under loss parallel)."""
+    last_output: torch.Tensor | tuple[torch.Tensor, ...]
+    """The last stage's output (logits, or a tuple such as a multi-token-prediction model's
+    logits of every depth; DTensors under loss parallel)."""
 
 
 @torch.no_grad()
 def infer_stage_io(probe: nn.Module, first_input: torch.Tensor) -> StageIO:
-    """Run `probe` once on `first_input` and record what its first block returns and what it
-    returns. `probe` is the model with the same parallelisms (TP, FSDP, mixed precision) as
-    the stages, usually trimmed to one block, materialised on fake tensors (or for real);
-    `first_input` is one microbatch as the first stage sees it (after context-parallel
-    sharding, when that is on)."""
-    seen: list[torch.Tensor] = []
-    first_block = next(iter(probe.layers.values()))
-    handle = first_block.register_forward_hook(lambda _m, _a, out: seen.append(out))
-    try:
-        output = probe(first_input)
-    finally:
-        handle.remove()
+    """Run `probe` once on `first_input` as the whole model (what the last stage returns), and
+    once as a first stage, its `post_blocks` modules taken out (what a stage passes on: the
+    hidden states, or whatever the model hands over, such as a multi-token-prediction model's
+    embeddings of the tokens ahead). `probe` is the model with the same parallelisms (TP,
+    FSDP, mixed precision) as the stages, usually trimmed to one block (and the blocks its
+    `post_blocks` name), materialised on fake tensors (or for real); `first_input` is one
+    microbatch as the first stage sees it (after context-parallel sharding, when that is on)."""
+    output = probe(first_input)
+    with _as_first_stage(probe):
+        hidden = probe(first_input)
     # Recorded without autograd; in training both carry gradients between stages.
     return StageIO(
-        first_input=first_input,
-        hidden=seen[0].detach().requires_grad_(True),
-        last_output=output.detach().requires_grad_(True),
+        first_input=first_input, hidden=_grad_leaves(hidden), last_output=_grad_leaves(output)
     )
+
+
+@contextlib.contextmanager
+def _as_first_stage(model: nn.Module):
+    """`model` without its post-block modules (None, or deleted from `layers`), as
+    `build_stage_modules` leaves a stage that does not end the model; restored after."""
+    taken: list[tuple[nn.Module, str, nn.Module]] = []
+    for name in model.post_blocks:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        module = getattr(parent, leaf, None)
+        if module is None:
+            continue
+        taken.append((parent, leaf, module))
+        if isinstance(parent, nn.ModuleDict):
+            del parent[leaf]
+        else:
+            setattr(parent, leaf, None)
+    try:
+        yield
+    finally:
+        for parent, leaf, module in reversed(taken):
+            if isinstance(parent, nn.ModuleDict):
+                parent[leaf] = module
+            else:
+                setattr(parent, leaf, module)
+
+
+def _grad_leaves(out):
+    if isinstance(out, tuple):
+        return tuple(t.detach().requires_grad_(True) for t in out)
+    return out.detach().requires_grad_(True)
 
 
 def _stage_kwargs(io: StageIO | None, stage_id: int, num_stages: int) -> dict:

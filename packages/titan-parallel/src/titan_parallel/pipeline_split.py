@@ -2,9 +2,10 @@
 
 A model that follows `titan_core.protocols.ParallelizableModel` is a sequence of *units*:
 its `pre_blocks` modules (the embedding), its repeated `layers` ("layers.0", "layers.1", ...)
-and its `post_blocks` modules (final norm, output projection). A stage owns a contiguous run
-of units; the pre-block modules always go to the first stage and the post-block modules to
-the last, because the model's `forward` runs them in that order.
+and its `post_blocks` modules (final norm, output projection, and any blocks of `layers` that
+run after them, such as multi-token-prediction layers, named "layers.K"). A stage owns a
+contiguous run of units; the pre-block modules always go to the first stage and the
+post-block modules to the last, because the model's `forward` runs them in that order.
 
 Three ways to choose the runs, all returning module names per stage:
 
@@ -55,8 +56,10 @@ def model_units(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
             f"{type(model).__name__}.layers is a {type(model.layers).__name__}; pipeline parallel needs an"
             " nn.ModuleDict so that block names stay stable when blocks are deleted"
         )
-    layers = [f"layers.{key}" for key in model.layers]
-    return list(model.pre_blocks), layers, list(model.post_blocks)
+    post = list(model.post_blocks)
+    # Blocks the model runs after its output (post_blocks "layers.K") go with the output.
+    layers = [f"layers.{key}" for key in model.layers if f"layers.{key}" not in post]
+    return list(model.pre_blocks), layers, post
 
 
 def split_by_layers(
@@ -336,7 +339,7 @@ def build_stage_modules(
             if f"layers.{key}" not in owned:
                 del part.layers[key]
         for name in pre + post:
-            if name not in owned:
+            if name not in owned and not name.startswith("layers."):  # blocks: deleted above
                 parent, _, leaf = name.rpartition(".")
                 setattr(part.get_submodule(parent) if parent else part, leaf, None)
         parts.append(part)

@@ -90,9 +90,13 @@ def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style == "head_shared":
         return _SumOutputGradient()
+    if style == "per_token":
+        # Like a norm under SP, but its output is what the next block's residual adds to:
+        # a plain tensor, as the blocks pass on.
+        return SequenceParallel(use_local_output=True) if sp else None
     raise ValueError(
         f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input,"
-        " embedding, output, per_head, head_shared"
+        " embedding, output, per_head, head_shared, per_token"
     )
 
 

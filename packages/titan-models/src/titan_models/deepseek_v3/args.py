@@ -10,7 +10,7 @@ the others a mixture of experts with shared experts.
 
 The 16B and 236B flavors are DeepSeek-V2-Lite's and DeepSeek-V2's shapes (softmax routing) in
 this architecture, as torchtitan has them; 671B is DeepSeek-V3 (sigmoid routing over 8 groups
-of 32 experts, auxiliary-loss-free balancing).
+of 32 experts, auxiliary-loss-free balancing, one multi-token-prediction layer).
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class DeepSeekV3Args:
     """Share one matrix between the token embedding and the output projection."""
     depth_init: bool = True
     """Scale the residual-writing projections by each block's depth (else by n_layers)."""
+    n_mtp_layers: int = 0
+    """Multi-token-prediction depth D (num_nextn_predict_layers): in training, D sequential
+    layers after the blocks predict the tokens 2..D+1 positions ahead (`titan_models.mtp`);
+    DeepSeek-V3 has 1. They are dropped for inference."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,6 +82,8 @@ class DeepSeekV3Args:
             problems.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
         if self.rope_factor < 1:
             problems.append(f"rope_factor {self.rope_factor} must be 1 (no YaRN) or more")
+        if self.n_mtp_layers < 0:
+            problems.append(f"n_mtp_layers {self.n_mtp_layers} must be 0 (none) or more")
         if self.moe is not None:
             problems += self.moe.problems(self.dim)
         if problems:
@@ -140,7 +146,8 @@ _V2_ATTENTION = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64
 
 deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     # Small enough for CPU tests, with every part of the 671B model: compressed queries, YaRN,
-    # a dense block then experts in 4 groups of 2, two groups per token, a shared expert.
+    # a dense block then experts in 4 groups of 2, two groups per token, a shared expert, and
+    # a multi-token-prediction layer.
     "debugmodel": DeepSeekV3Args(
         dim=256,
         n_layers=6,
@@ -160,6 +167,7 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         moe=dataclasses.replace(
             _v3_moe(8, 2, 192, groups=4, top_groups=2), load_balance_coeff=0.03, aux_loss_alpha=0.3
         ),
+        n_mtp_layers=1,
     ),
     # DeepSeek-V2-Lite's shape: 15.7B parameters, 2.4B active.
     "16B": DeepSeekV3Args(
@@ -185,8 +193,10 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         moe=_v2_moe(160, 1536, route_scale=16.0, groups=8, top_groups=3),
         **_V2_ATTENTION,
     ),  # fmt: skip
-    # DeepSeek-V3: 671B parameters (without the multi-token-prediction module), 37B active.
-    "671B": DeepSeekV3Args(moe=_v3_moe(256, 8, 2048, groups=8, top_groups=4)),
+    # DeepSeek-V3: 671B parameters in the main model, 37B active, and one multi-token-
+    # prediction layer (11.7B here: the embedding and output projection it shares are not
+    # counted again, as the 14B DeepSeek publishes counts its checkpoint's copies of them).
+    "671B": DeepSeekV3Args(moe=_v3_moe(256, 8, 2048, groups=8, top_groups=4), n_mtp_layers=1),
 }
 """Named shapes; the official ones with their published vocabulary and YaRN settings."""
 

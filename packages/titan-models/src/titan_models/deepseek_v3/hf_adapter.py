@@ -12,9 +12,11 @@ for grouped matmul: `experts.w1[e]` is `experts.{e}.gate_proj.weight` transposed
 
 Hugging Face's DeepseekV3 routes with sigmoid scores only: the softmax-routed flavors (16B,
 236B: DeepSeek-V2 shapes) cannot be written in its format and `hf_config` says so. DeepSeek's
-released checkpoints carry the multi-token-prediction module as layer `n_layers`;
-`from_hf` leaves it out (this model has none). Tensors must be in a floating-point dtype
-(dequantise FP8 checkpoints first).
+released checkpoints carry the multi-token-prediction layer as layer `n_layers` (61), which
+transformers' model class does not load; ours maps it to our MTP layer (`n_mtp_layers`, see
+`titan_models.hf_adapter`), and `from_hf` leaves out the MTP layers a model has no place for
+(a flavor with `n_mtp_layers` 0). Tensors must be in a floating-point dtype (dequantise FP8
+checkpoints first).
 """
 
 from __future__ import annotations
@@ -64,9 +66,10 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kept: dict[str, torch.Tensor] = {}
         beyond: dict[int, list[str]] = defaultdict(list)
+        layers = self.args.n_layers + self.args.n_mtp_layers
         for name, tensor in hf_state_dict.items():
             match = HF_LAYER.fullmatch(name)
-            if match and int(match.group(1)) >= self.args.n_layers:
+            if match and int(match.group(1)) >= layers:
                 beyond[int(match.group(1))].append(match.group(2))
             else:
                 kept[name] = tensor
@@ -74,7 +77,8 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
             if "eh_proj.weight" not in suffixes:  # not a multi-token-prediction module
                 raise KeyError(
                     f"DeepSeekV3HFAdapter.from_hf: the checkpoint has layer {layer}, but the model"
-                    f" has {self.args.n_layers} (choose the flavor the checkpoint was saved from)"
+                    f" has {self.args.n_layers} and {self.args.n_mtp_layers} multi-token-prediction"
+                    " (choose the flavor the checkpoint was saved from)"
                 )
         return super().from_hf(kept)
 
@@ -126,5 +130,5 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
             "topk_group": moe.top_k_groups if moe else 1,
             "norm_topk_prob": moe.route_norm if moe else False,
             "routed_scaling_factor": moe.route_scale if moe else 1.0,
-            "num_nextn_predict_layers": 0,
+            "num_nextn_predict_layers": a.n_mtp_layers,
         }

@@ -13,8 +13,9 @@ Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, section 2.1), in tra
   modules here because tensor parallel treats them differently (see `tp_plan`);
 - each head's query and key are [position-free part, rotary part]; the logits are scaled by
   `softmax_scale(args)` (YaRN's mscale included), causal; `wo` maps heads x v_head_dim back.
-Multi-token prediction (the paper's MTP module) is not implemented. Generation caches each
-head's full keys and values (`titan_models.generation.KVCache`), not the compressed latent.
+Multi-token prediction (the paper's MTP modules) is the shared decoder's (`titan_models.mtp`),
+on with `n_mtp_layers`. Generation caches each head's full keys and values
+(`titan_models.generation.KVCache`), not the compressed latent.
 """
 
 from __future__ import annotations

@@ -14,11 +14,13 @@ under `language_model.`: `from_hf` reads those, and refuses the vision tower's n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from titan_core.protocols import HFSlice
 from titan_models.hf_adapter import (
     NORM_NAMES,
     DecoderHFAdapter,
@@ -69,6 +71,15 @@ class Llama4HFAdapter(DecoderHFAdapter):
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         text = {name.removeprefix("language_model."): t for name, t in hf_state_dict.items()}
         return super().from_hf(text)
+
+    def from_hf_slice(self, name, shape, index, read):
+        def read_text(hf: HFSlice) -> torch.Tensor:
+            try:
+                return read(hf)
+            except KeyError:  # a multimodal checkpoint
+                return read(dataclasses.replace(hf, name="language_model." + hf.name))
+
+        return super().from_hf_slice(name, shape, index, read_text)
 
     def architecture_config(self) -> dict[str, Any]:
         a = self.args
