@@ -98,6 +98,11 @@ def test_seed_checkpoint_needs_one_process():
             "       use 0 (load in the training process) or more",
         ),
         (["--model.attn_mask_type", "document"], 'allowed: "causal", "block_causal"'),
+        (["--model.moe_aux_loss_alpha", "-0.1"], "[model] moe_aux_loss_alpha = -0.1 is not valid"),
+        (
+            ["--model.moe_load_balance_coeff", "0"],
+            "[model] moe_load_balance_coeff is set but llama3 debugmodel has no mixture-of-experts layers",
+        ),
         (
             ["--training.mtp_loss_weight", "-0.1"],
             "titan: config error: [training] mtp_loss_weight = -0.1 is not valid\n"

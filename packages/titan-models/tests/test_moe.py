@@ -144,11 +144,14 @@ def test_expert_bias_update_evens_out_the_load():
     assert end_off > 0.9 * start_off, (start_off, end_off)
 
 
-def test_sequence_aux_loss_gradient_is_added_in_backward():
+@pytest.mark.parametrize("kind", ["sequence", "batch"])
+def test_aux_loss_gradient_is_added_in_backward(kind):
     """With aux_loss_alpha the parameters' gradients are those of (task loss + alpha * the
-    sequence-wise balance loss), computed here from the definition; the output is unchanged."""
+    balance loss), computed here from the definition, per sequence (DeepSeek-V3) or over every
+    token of the batch (Qwen3-MoE); the output is unchanged."""
     alpha = 0.5
-    with_aux, without = _moe(aux_loss_alpha=alpha), _moe(aux_loss_alpha=0.0)
+    with_aux = _moe(aux_loss_alpha=alpha, aux_loss_type=kind)
+    without = _moe(aux_loss_alpha=0.0)
     x, target = torch.randn(2, 9, DIM), torch.randn(2, 9, DIM)
     y = with_aux(x)
     torch.testing.assert_close(y, without(x))
@@ -157,9 +160,10 @@ def test_sequence_aux_loss_gradient_is_added_in_backward():
     ref = _moe(aux_loss_alpha=0.0)
     tokens = x.reshape(-1, DIM)
     _, experts, scores = ref.router(tokens, ref.expert_bias)
-    scores, experts = scores.view(2, 9, -1), experts.view(2, 9, -1)
+    rows, seq = (2, 9) if kind == "sequence" else (1, 18)
+    scores, experts = scores.view(rows, seq, -1), experts.view(rows, seq, -1)
     chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0)
-    f = chosen.sum(1) * (8 / (2 * 9))
+    f = chosen.sum(1) * (8 / (2 * seq))
     p = (scores / scores.sum(-1, keepdim=True)).mean(1)
     aux = alpha * (f * p).sum(-1).mean()
     (((ref(x) - target) ** 2).mean() + aux).backward()

@@ -83,6 +83,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
     problems += _expert_problems(config, dims)
+    problems += _balance_problems(config)
     problems += _tensor_parallel_problems(config, dims)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
@@ -161,6 +162,26 @@ def _expert_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
     return problems
 
 
+def _balance_problems(config: JobConfig) -> list[str]:
+    """The MoE balancing keys on a flavor without experts would do nothing: say so."""
+    m = config.model
+    keys = [
+        k for k in ("moe_aux_loss_alpha", "moe_load_balance_coeff") if getattr(m, k) is not None
+    ]
+    if not keys:
+        return []
+    try:
+        args = resolve(plugins.MODELS, m.name).flavors[m.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
+    if getattr(args, "moe", None) is not None:
+        return []
+    return [
+        f"[model] {keys[0]} is set but {m.name} {m.flavor} has no mixture-of-experts layers\n"
+        "remove it, or pick a flavor with experts (e.g. qwen3 debugmodel_moe)"
+    ]
+
+
 def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[str]:
     """Sequence parallel splits a sequence over the TP ranks, and context parallel into 2 x cp
     load-balanced chunks: the length must divide by `dims.seq_len_divisor`."""
@@ -208,9 +229,22 @@ def model_args_for(spec, config: JobConfig, vocab_size: int):
         changes["vocab_size"] = padded
     if "max_seq_len" in fields:
         changes["max_seq_len"] = config.training.seq_len
+    if getattr(args, "moe", None) is not None:
+        changes["moe"] = moe_balance_for(args.moe, config)
     if config.model.n_mtp_layers is not None and "n_mtp_layers" in fields:
         changes["n_mtp_layers"] = config.model.n_mtp_layers
     return dataclasses.replace(args, **changes)
+
+
+def moe_balance_for(moe, config: JobConfig):
+    """The flavor's MoE arguments with the balancing the [model] keys set (0: off)."""
+    m = config.model
+    changes = {}
+    if m.moe_aux_loss_alpha is not None:
+        changes["aux_loss_alpha"] = m.moe_aux_loss_alpha
+    if m.moe_load_balance_coeff is not None:
+        changes["load_balance_coeff"] = m.moe_load_balance_coeff or None
+    return dataclasses.replace(moe, **changes)
 
 
 def _mtp_problems(config: JobConfig, spec) -> list[str]:

@@ -45,6 +45,14 @@ class Model:
     """Model converters applied before parallelism, e.g. ["quantize.linear.float8"]."""
     print_after_conversion: bool = False
     """Log the model after converters ran."""
+    moe_aux_loss_alpha: float | None = None
+    """Mixture-of-experts models: weight of the auxiliary balance loss (per sequence or per
+    microbatch, as the family's reference); unset: the flavor's own (the trainer README's MoE
+    section lists them); 0 turns it off."""
+    moe_load_balance_coeff: float | None = None
+    """Mixture-of-experts models: how far each expert's selection bias moves towards even load
+    after every optimizer step (DeepSeek-V3's auxiliary-loss-free balancing); unset: the
+    flavor's own; 0 turns it off."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
     the earlier tokens of its own document (documents start at the tokenizer's BOS, or for one
@@ -70,6 +78,13 @@ class Model:
             f"[model] tokenizer_path = {self.tokenizer_path!r} and hf_assets_path ="
             f" {self.hf_assets_path!r} are both set: the tokenizer comes from tokenizer_path"
         )
+
+    def validate(self) -> list[str]:
+        return [
+            f"[model] {key} = {value} is not valid\nuse 0 (off), a positive weight, or leave it unset for the flavor's"
+            for key in ("moe_aux_loss_alpha", "moe_load_balance_coeff")
+            if (value := getattr(self, key)) is not None and value < 0
+        ]
 
 
 @dataclass

@@ -1,37 +1,63 @@
 """The trainer's side of mixture-of-experts layers (any module with `update_expert_bias`, such
 as titan-models' `MoE`): after each optimizer step the expert biases move towards even load,
-from the tokens every expert received on all the ranks that share the weights; the load is
-reported as max / mean tokens per expert (worst layer) on the metric line; and the auxiliary
-balance loss is weighed like the step's loss under gradient accumulation. No token is ever
-dropped (no capacity limit), so there is nothing else to report."""
+from the tokens every expert received on all the ranks that share the weights; the load of
+every layer is reported as max / mean tokens per expert on the metric line and in TensorBoard;
+a layer whose busiest expert stays above `COLLAPSE_RATIO` times the mean for `COLLAPSE_STEPS`
+steps in a row is warned about once; and the auxiliary balance loss is weighed like the step's
+loss under gradient accumulation. No token is ever dropped or re-routed (no capacity limit),
+so there is no dropped share to report."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from titan_core import ParallelDims
+from titan_core import ParallelDims, get_logger
+
+log = get_logger("experts")
+
+COLLAPSE_RATIO = 2.0
+COLLAPSE_STEPS = 20
+
+COLLAPSE_WARNING = (
+    "experts: in %s the busiest expert has taken more than %.1f times the mean load for %d "
+    "steps in a row (max/mean %.2f now): the router is sending most tokens to a few experts, "
+    "and the others barely train.\n"
+    "  Raise --model.moe_aux_loss_alpha (the auxiliary balance loss) or "
+    "--model.moe_load_balance_coeff (the expert-bias step), or lower --optimizer.lr."
+)
 
 
 class ExpertLoad:
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, accum: int):
         """`accum`: forward passes per optimizer step over which the auxiliary loss's
         gradient adds up (accumulated microbatches times pipeline microbatches)."""
-        self.layers = [
-            m for part in parts for m in part.modules() if hasattr(m, "update_expert_bias")
+        named = [
+            (name, m)
+            for part in parts
+            for name, m in part.named_modules()
+            if hasattr(m, "update_expert_bias")
         ]
+        self.layers = [m for _, m in named]
+        # "layers.3.moe" -> "layers.3": the block, as the model's state dict names it.
+        self.names = [name.rsplit(".", 1)[0] if "." in name else name for name, _ in named]
         self.group = None
-        if self.layers and (mesh := dims.mesh("dp_cp")) is not None:
+        if self.layers and dims.world_size > 1 and (mesh := dims.mesh("dp_cp")) is not None:
             self.group = mesh.get_group()  # the ranks with the same experts and other tokens
         for layer in self.layers:
             layer.aux_loss_scale = 1.0 / accum  # each microbatch's loss is scaled so
-        self._worst: torch.Tensor | None = None
+        self._worst: torch.Tensor | None = None  # per layer, the highest since the last read
+        self._streak: torch.Tensor | None = None  # per layer, steps in a row above the ratio
+        self._longest: torch.Tensor | None = None  # per layer, the longest such streak
+        self._last = torch.zeros(0)
+        self._warned = False
 
     def __bool__(self) -> bool:
         return bool(self.layers)
 
     def after_step(self) -> None:
-        """Move the biases and note this step's worst max/mean load (on the device)."""
+        """Move the biases and note this step's max/mean load per layer (on the device: no
+        host read)."""
         counts = torch.cat([layer.tokens_per_expert for layer in self.layers])
         if self.group is not None:  # one all-reduce for every layer
             torch.distributed.all_reduce(counts, group=self.group)
@@ -40,12 +66,28 @@ class ExpertLoad:
         for layer, mine in zip(self.layers, counts.split(sizes)):
             layer.update_expert_bias(counts=mine)
             ratios.append(mine.max() / mine.mean().clamp_min(1))
-        worst = torch.stack(ratios).max()
-        self._worst = worst if self._worst is None else torch.maximum(self._worst, worst)
+        ratio = torch.stack(ratios).float()
+        above = (ratio > COLLAPSE_RATIO).float()
+        if self._streak is None or self._longest is None:
+            self._streak, self._longest = above, above.clone()
+        else:
+            self._streak = (self._streak + 1) * above
+            self._longest = torch.maximum(self._longest, self._streak)
+        self._worst = ratio if self._worst is None else torch.maximum(self._worst, ratio)
+        self._last = ratio
 
-    def read(self) -> float | None:
-        """The worst layer's max/mean tokens per expert since the last read (one host read)."""
-        if self._worst is None:
+    def read(self) -> dict[str, float] | None:
+        """Each layer's highest max/mean tokens per expert since the last read (one host read),
+        by block name; warns once when a layer has stayed above `COLLAPSE_RATIO` for
+        `COLLAPSE_STEPS` steps in a row."""
+        if self._worst is None or self._longest is None:
             return None
-        value, self._worst = float(self._worst), None
-        return value
+        worst, longest, last = torch.stack([self._worst, self._longest, self._last]).tolist()
+        self._worst = None
+        if not self._warned:
+            for name, steps, now in zip(self.names, longest, last):
+                if steps >= COLLAPSE_STEPS:
+                    self._warned = True
+                    log.warning(COLLAPSE_WARNING, name, COLLAPSE_RATIO, COLLAPSE_STEPS, now)
+                    break
+        return dict(zip(self.names, worst))

@@ -58,7 +58,9 @@ def format_line(step: int, m: dict[str, float]) -> str:
     if "replica_groups" in m:
         parts.append(f"groups {m['replica_groups']:.0f}")
     if "expert_load" in m:  # mixture of experts: max / mean tokens per expert, worst layer
-        parts.append(f"experts max/mean {m['expert_load']:.2f}")
+        layers = [v for k, v in m.items() if k.startswith("expert_load/")]
+        each = f" ({' '.join(f'{v:.2f}' for v in layers)})" if 1 < len(layers) <= 16 else ""
+        parts.append(f"experts max/mean {m['expert_load']:.2f}{each}")
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']:,.0f}")
     return " | ".join(parts)

@@ -724,8 +724,9 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
     if by_source and len(by_source) > 1:  # a mixture: tokens the whole job took from each
         values.update({f"tokens/{label}": float(n) for label, n in by_source.items()})
     values["skipped_steps"] = guard.skipped
-    if (load := window.experts.read()) is not None:
-        values["expert_load"] = load
+    if (load := window.experts.read()) is not None:  # the worst layer, then each layer
+        values["expert_load"] = max(load.values())
+        values.update({f"expert_load/{name}": ratio for name, ratio in load.items()})
     if run.replicas is not None and run.replicas.participants():  # in the last quorum
         values["replica_groups"] = run.replicas.participants()
     window.metrics.log(run.state.step, values)

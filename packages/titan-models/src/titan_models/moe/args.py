@@ -37,7 +37,11 @@ class MoEArgs:
     expert's selection bias moves by this much towards even load. None turns it off. It acts
     on the scores, so it suits sigmoid scores (DeepSeek-V3's); a peaked softmax hardly moves."""
     aux_loss_alpha: float = 0.0
-    """Weight of the sequence-wise auxiliary balance loss (DeepSeek-V3's alpha); 0: none."""
+    """Weight of the auxiliary balance loss; 0: none."""
+    aux_loss_type: Literal["sequence", "batch"] = "sequence"
+    """Over what the auxiliary loss measures balance: each sequence (DeepSeek-V3's
+    sequence-wise loss) or all the tokens of the microbatch (the batch-level loss of Qwen3-MoE,
+    Mixtral and Hugging Face's `load_balancing_loss_func`)."""
     use_grouped_mm: bool = True
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
@@ -64,6 +68,10 @@ class MoEArgs:
             out.append(
                 f"top_k = {self.top_k} is more than the experts of top_k_groups = {self.top_k_groups} groups"
             )
+        if self.aux_loss_type not in ("sequence", "batch"):
+            out.append(f"aux_loss_type = {self.aux_loss_type!r}: use sequence or batch")
+        if self.aux_loss_alpha < 0:
+            out.append(f"aux_loss_alpha = {self.aux_loss_alpha} must be 0 (none) or more")
         if self.score_func not in ("softmax", "sigmoid"):
             out.append(f"score_func = {self.score_func!r}: use softmax or sigmoid")
         if dim <= 0 or self.hidden_dim <= 0:

@@ -7,9 +7,12 @@ Load balancing, both from DeepSeek-V3 (arXiv:2412.19437, section 2.1.2):
   the tokens each expert received are counted (`tokens_per_expert`) and, once per optimizer step,
   `update_expert_bias()` moves every bias by `load_balance_coeff` towards even load (up for an
   expert below the mean, down above it);
-- sequence-wise auxiliary loss (`aux_loss_alpha`): alpha * sum_i f_i * P_i per sequence, f_i the
-  share of the sequence's top-k choices that went to expert i (times num_experts / top_k), P_i
-  the mean of its normalised score. It adds no output: its gradient is added in the backward
+- auxiliary loss (`aux_loss_alpha`): alpha * sum_i f_i * P_i, f_i the share of the top-k
+  choices that went to expert i (times num_experts / top_k, so 1 at even load), P_i the mean of
+  its normalised score; per sequence and averaged (`aux_loss_type = "sequence"`, DeepSeek-V3's
+  sequence-wise loss) or over every token of the microbatch (`"batch"`, the batch-level loss of
+  Qwen3-MoE and Mixtral; Hugging Face's `load_balancing_loss_func` is this times top_k). It
+  adds no output: its gradient is added in the backward
   pass of this layer (`aux_loss_scale` weighs it, e.g. 1/N under N accumulated microbatches),
   and its last value is kept in `aux_loss` for logging.
 """
@@ -99,16 +102,19 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if a.aux_loss_alpha > 0 and torch.is_grad_enabled():
-            loss = self._sequence_aux_loss(
-                scores.view(batch, seq, -1), experts.view(batch, seq, -1)
+            rows = batch if a.aux_loss_type == "sequence" else 1
+            loss = self._aux_loss(
+                scores.view(rows, -1, a.num_experts), experts.view(rows, -1, a.top_k)
             )
             self.aux_loss = loss.detach()
             out = _AddGradientOf.apply(out, loss * self.aux_loss_scale)
         return out.view(batch, seq, dim)
 
-    def _sequence_aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _aux_loss(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """`scores` (R, S, E) and `experts` (R, S, k): balance measured within each of R rows
+        (sequences, or one row of every token), averaged over the rows."""
         a = self.args
-        batch, seq, _ = scores.shape
+        _, seq, _ = scores.shape
         chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0)  # (B, S, E), k ones per token
         f = chosen.sum(1) * (a.num_experts / (a.top_k * seq))  # (B, E), no gradient
         p = (scores / scores.sum(-1, keepdim=True)).mean(1)  # (B, E)

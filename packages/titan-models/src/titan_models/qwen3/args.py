@@ -70,6 +70,7 @@ def _moe(num_experts: int, top_k: int, hidden: int) -> MoEArgs:
         route_norm=True,
         load_balance_coeff=None,
         aux_loss_alpha=1e-3,
+        aux_loss_type="batch",
     )
 
 
@@ -78,7 +79,12 @@ _DEBUG = dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, head_dim=32, vocab_
 
 qwen3_flavors: dict[str, Qwen3Args] = {
     "debugmodel": Qwen3Args(**_DEBUG, hidden_dim=768, tie_word_embeddings=True),
-    "debugmodel_moe": Qwen3Args(**_DEBUG, hidden_dim=768, moe=_moe(8, 2, 192)),
+    # The reference's coefficient (0.001) lets this small model collapse onto one expert per
+    # layer within 10 steps at the debug config's lr 3e-3; 0.3 keeps every layer under 1.4
+    # max/mean by step 50 (trainer README, "Mixture of experts").
+    "debugmodel_moe": Qwen3Args(
+        **_DEBUG, hidden_dim=768, moe=dataclasses.replace(_moe(8, 2, 192), aux_loss_alpha=0.3)
+    ),
     "0.6B": Qwen3Args(
         dim=1024, n_layers=28, n_heads=16, head_dim=128, hidden_dim=3072, tie_word_embeddings=True
     ),  # fmt: skip

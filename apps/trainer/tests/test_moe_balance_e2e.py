@@ -1,0 +1,82 @@
+"""Every shipped mixture-of-experts debug config trains with its experts balanced: 50 steps on
+the embedded corpus at the config's own learning rate and schedule keep every MoE layer's
+max/mean tokens per expert at or under 1.5 from step 20 on. The same configs with balancing
+switched off (`--model.moe_aux_loss_alpha 0 --model.moe_load_balance_coeff 0`) collapse, so
+the bound is earned by the balancing and not by the data; the collapse is also warned about.
+The balanced half does not hold yet (xfail, strict): see the note above it.
+
+Shortened only in the batch (4 sequences of 128 tokens, 512 tokens per step: the collapse
+still happens at this size within 10 steps). The six runs share the machine, one process each.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import TRAINER, parse_losses, start_cli
+
+CONFIGS = ("qwen3_moe_debug", "deepseek_v3_debug", "llama4_debug")
+STEPS = 50
+FROM_STEP = 20
+BOUND = 1.5
+OFF = ["--model.moe_aux_loss_alpha", "0", "--model.moe_load_balance_coeff", "0"]
+LOAD = re.compile(r"step +(\d+) \|.*experts max/mean [\d.]+ \(([\d. ]+)\)")
+
+
+def _args(config: str, folder) -> list[str]:
+    return ["--job.config_file", str(TRAINER / "configs" / f"{config}.toml"),
+            "--job.dump_folder", str(folder), "--metrics.log_freq", "1",
+            "--metrics.enable_tensorboard", "false", "--metrics.save_plots_folder", "",
+            "--training.steps", str(STEPS), "--training.seq_len", "128",
+            "--training.local_batch_size", "4"]  # fmt: skip
+
+
+def per_layer_loads(out: str) -> dict[int, list[float]]:
+    """step -> every MoE layer's max/mean tokens per expert, from the metric lines."""
+    return {int(m[1]): [float(x) for x in m[2].split()] for m in LOAD.finditer(out)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("balance")
+    started = {
+        (config, balanced): start_cli(
+            _args(config, tmp / f"{config}_{balanced}") + ([] if balanced else OFF),
+            env_extra={"OMP_NUM_THREADS": "1"},
+        )
+        for config in CONFIGS
+        for balanced in (True, False)
+    }
+    done = {key: run.result(timeout=1500) for key, run in started.items()}
+    for key, result in done.items():
+        assert result.returncode == 0, (key, result.stdout[-2000:] + result.stderr[-3000:])
+    return {key: r.stdout + r.stderr for key, r in done.items()}
+
+
+# Not reached yet (issue 30 item 1 is open): with the debug flavors' raised coefficients the
+# layers come down to 1.3-2.4 by step 50 but are 1.7-4 at step 20; see the trainer README's
+# "Mixture of experts" for each layer's values. Strict: the day it passes, this must go.
+@pytest.mark.xfail(strict=True, reason="MoE debug flavors not yet balanced from step 20")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_moe_layer_stays_balanced_from_step_20(runs, config):
+    out = runs[config, True]
+    loads = per_layer_loads(out)
+    assert sorted(loads) == list(range(1, STEPS + 1)), sorted(loads)
+    late = {step: layers for step, layers in loads.items() if step >= FROM_STEP}
+    over = {step: layers for step, layers in late.items() if max(layers) > BOUND}
+    assert not over, f"{config}: layers above {BOUND} (step: each layer's max/mean): {over}"
+    assert "experts: in " not in out  # no collapse warning
+    losses = parse_losses(out)
+    assert losses[STEPS] < 0.6 * losses[1], losses  # and it trains
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_without_balancing_the_same_run_collapses_and_is_warned_about(runs, config):
+    out = runs[config, False]
+    loads = per_layer_loads(out)
+    late = [max(layers) for step, layers in loads.items() if step >= FROM_STEP]
+    # Collapsed: the busiest expert of the worst layer holds at least twice its share on most
+    # late steps (balanced runs stay under 1.5 on every one).
+    assert sum(x > 2.0 for x in late) > len(late) // 2, late
+    assert "experts: in layers." in out and "for 20 steps in a row" in out
