@@ -159,24 +159,46 @@ def _write_stand_in(folder: Path, name: str, version: str) -> None:
 
 
 def _install_third_party(python: str, dist: Path) -> None:
-    """Every requirement of the seven wheels (the trainer's with its test extra) but those on
-    titan distributions, Titan's own or not: pip resolves those from the index."""
-    requirements = []
+    """Every requirement of the seven wheels (the trainer's with its test extra, and the extras
+    that asks of its siblings, e.g. titan-llm-ckpt[s3]) but those on titan distributions,
+    Titan's own or not: pip resolves those from the index."""
+    requires: dict[str, list[Requirement]] = {}
     for wheel in sorted(dist.glob("*.whl")):
         with zipfile.ZipFile(wheel) as archive:
             (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
             lines = archive.read(metadata).decode().splitlines()
         name = canonicalize_name(next(ln[5:].strip() for ln in lines if ln.startswith("Name:")))
-        extras = ("", "test") if name == TRAINER else ("",)
-        for line in lines:
-            if not line.startswith("Requires-Dist:"):
-                continue
-            req = Requirement(line.split(":", 1)[1].strip())
+        requires[name] = [
+            Requirement(ln.split(":", 1)[1].strip())
+            for ln in lines
+            if ln.startswith("Requires-Dist:")
+        ]
+    extras = {name: {""} for name in requires}
+    extras[TRAINER].add("test")
+
+    def active(name: str) -> list[Requirement]:
+        return [
+            r
+            for r in requires[name]
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras[name])
+        ]
+
+    changed = True
+    while changed:  # the extras titan distributions ask of each other, to a fixed point
+        changed = False
+        for name in requires:
+            for req in active(name):
+                wanted = canonicalize_name(req.name)
+                if wanted in extras and not set(req.extras) <= extras[wanted]:
+                    extras[wanted] |= set(req.extras)
+                    changed = True
+    requirements = []
+    for name in requires:
+        for req in active(name):
             if canonicalize_name(req.name).startswith("titan"):  # for pip, from the index
                 continue
-            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras):
-                req.marker = None
-                requirements.append(str(req))
+            req.marker = None
+            requirements.append(str(req))
     run(["uv", "pip", "install", "--quiet", "--python", python, "pip", *sorted(set(requirements))])
 
 
