@@ -35,8 +35,6 @@ ELSEWHERE = {
     "fault_tolerance.outer_lr": "apps/trainer/tests/test_fault_tolerance_e2e.py::test_diloco_groups_train_on_without_a_killed_group_and_end_equal",
     "fault_tolerance.outer_momentum": "apps/trainer/tests/test_fault_tolerance_e2e.py::test_diloco_groups_train_on_without_a_killed_group_and_end_equal",
     "fault_tolerance.lighthouse": "apps/trainer/tests/test_fault_tolerance_e2e.py::test_survivors_keep_stepping_and_the_restarted_group_catches_up",
-    "model.moe_aux_loss_alpha": "apps/trainer/tests/test_moe_balance_e2e.py::test_without_balancing_the_same_run_collapses_and_is_warned_about",
-    "model.moe_load_balance_coeff": "apps/trainer/tests/test_moe_balance_e2e.py::test_without_balancing_the_same_run_collapses_and_is_warned_about",
     "profiling.save_memory_snapshot_folder": "apps/trainer/tests/test_gpu.py::test_memory_snapshot_is_written_on_cuda",
 }
 
