@@ -4,7 +4,7 @@ linear + cross-entropy as without it, and the layouts it cannot serve yet are re
 from __future__ import annotations
 
 import pytest
-from conftest import fp32_args
+from conftest import fp32_args, parse_losses, run_cli
 
 from titan_core import ConfigError, load_config
 from titan_trainer.checks import check_config
@@ -68,3 +68,41 @@ def test_layouts_the_chunked_loss_cannot_serve_are_refused(debug_args, extra, wo
 def test_negative_chunk_is_refused(debug_args):
     with pytest.raises(ConfigError, match="use 0 \\(off\\) or a positive number of tokens"):
         check_config(_load([*debug_args, "--training.loss_chunk_tokens", "-1"]), 1)
+
+
+def test_chunked_loss_under_fsdp_trains_and_validates_like_one_process(
+    debug_args, same_doc_dataset, tmp_path
+):
+    """Under FSDP the loss reads the output weight after the last group's forward, which FSDP
+    keeps gathered; its gradient must reach the reduce-scatter like any other."""
+    base = fp32_args(debug_args, same_doc_dataset)
+    validation = [
+        *("--validation.enable", "true", "--validation.dataset", same_doc_dataset),
+        *("--validation.freq", "2", "--validation.steps", "1"),
+    ]
+    whole = train(_load([*base, *validation]))
+    sharded = run_cli(
+        [
+            *base,
+            *validation,
+            *("--job.dump_folder", str(tmp_path / "fsdp")),
+            *("--parallelism.data_parallel_shard_degree", "2"),
+            *("--training.loss_chunk_tokens", "100"),
+        ],
+        nproc=2,
+    )
+    said = sharded.stdout + sharded.stderr
+    assert sharded.returncode == 0, said[-3000:]
+    assert "run 100 tokens at a time" in said
+    losses = parse_losses(said)
+    # The metric line prints 4 decimals; two ranks reduce in another order than one process.
+    assert [losses[s] for s in sorted(losses)] == pytest.approx(whole.losses, abs=2e-4), losses
+    whole_log = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    assert _validation(said) == pytest.approx(_validation(whole_log), abs=2e-4)
+    assert len(_validation(said)) == 2
+
+
+def _validation(text: str) -> list[float]:
+    return [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if "validation loss" in line
+    ]
