@@ -300,8 +300,8 @@ def _loss_chunk_problems(config: JobConfig, dims: ParallelDims, spec) -> list[st
     if config.compile.compiles("loss"):
         problems.append(
             f"[training] loss_chunk_tokens = {chunk} does not work with a compiled loss"
-            ' ([compile] enable with "loss" in components): the chunks run eagerly under'
-            " activation checkpointing\n"
+            ' ([compile] enable with "loss" in components): the chunked loss runs eagerly, and'
+            " a compiled whole-batch loss already never writes its float32 logits\n"
             f'drop "loss" from [compile] components, {off}'
         )
     return problems

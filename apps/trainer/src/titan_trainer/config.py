@@ -241,11 +241,12 @@ class Training:
     loss = next-token loss + mtp_loss_weight x the mean of the D depths' losses. DeepSeek-V3
     used 0.3 for its first 10T tokens, then 0.1. The logged loss is this sum."""
     loss_chunk_tokens: int = 0
-    """Compute the output projection and the cross-entropy this many tokens at a time, each
-    chunk's logits recomputed in backward, so the float32 logits of the whole batch (tokens x
-    vocab x 4 bytes) never exist at once; costs one more output-projection forward. 0: off
-    (the whole batch at once). Not with tensor or pipeline parallel, multi-token prediction
-    or "loss" in [compile] components."""
+    """Compute the output projection and the cross-entropy this many tokens at a time, with
+    each chunk's gradients in the same pass, so the float32 logits of the whole microbatch
+    (tokens x vocab x 4 bytes) never exist; holds a float32 buffer the size of the output weight
+    until backward instead. For an eager loss (a compiled one never writes them either).
+    0: off (the whole microbatch at once). Not with tensor or pipeline parallel, multi-token
+    prediction or "loss" in [compile] components."""
     dataloader: DataLoaderOptions = field(default_factory=DataLoaderOptions)
 
     def validate(self) -> list[str]:
