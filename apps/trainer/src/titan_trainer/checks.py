@@ -85,6 +85,8 @@ def check_config(config: JobConfig, world_size: int) -> None:
     problems += _expert_problems(config, dims)
     problems += _balance_problems(config)
     problems += _tensor_parallel_problems(config, dims)
+    if not model_problem:
+        problems += _loss_chunk_problems(config, dims, spec)
     t = config.training
     problems += _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
@@ -264,6 +266,45 @@ def _mtp_problems(config: JobConfig, spec) -> list[str]:
             " layers (deepseek_v3 has)\nleave n_mtp_layers unset for this model"
         ]
     return []
+
+
+def _loss_chunk_problems(config: JobConfig, dims: ParallelDims, spec) -> list[str]:
+    """`[training] loss_chunk_tokens` with what it cannot yet be combined with."""
+    chunk = config.training.loss_chunk_tokens
+    if chunk <= 0:
+        return []
+    off = "or set [training] loss_chunk_tokens = 0"
+    problems = []
+    if dims.tp_enabled:
+        problems.append(
+            f"[training] loss_chunk_tokens = {chunk} does not work with tensor parallel"
+            f" (tensor_parallel_degree = {dims.tp}): the output projection is sharded over the"
+            f" vocabulary there (loss parallel)\nuse tensor_parallel_degree = 1, {off}"
+        )
+    if dims.pp_enabled:
+        problems.append(
+            f"[training] loss_chunk_tokens = {chunk} does not work with pipeline parallel"
+            f" (pipeline_parallel_degree = {dims.pp}): the schedule calls the loss on the last"
+            f" stage's logits\nuse pipeline_parallel_degree = 1, {off}"
+        )
+    flavor = spec.flavors.get(config.model.flavor)
+    depth = config.model.n_mtp_layers
+    if depth is None:
+        depth = getattr(flavor, "n_mtp_layers", 0)
+    if depth:
+        problems.append(
+            f"[training] loss_chunk_tokens = {chunk} does not work with multi-token prediction"
+            f" ({config.model.name} {config.model.flavor} has {depth} MTP layer"
+            f"{'s' if depth > 1 else ''})\nset [model] n_mtp_layers = 0, {off}"
+        )
+    if config.compile.compiles("loss"):
+        problems.append(
+            f"[training] loss_chunk_tokens = {chunk} does not work with a compiled loss"
+            ' ([compile] enable with "loss" in components): the chunked loss runs eagerly, and'
+            " a compiled whole-batch loss already never writes its float32 logits\n"
+            f'drop "loss" from [compile] components, {off}'
+        )
+    return problems
 
 
 def preflight_problems(

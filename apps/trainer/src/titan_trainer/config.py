@@ -240,6 +240,13 @@ class Training:
     """Weight of the multi-token-prediction loss (for a model with `[model] n_mtp_layers`):
     loss = next-token loss + mtp_loss_weight x the mean of the D depths' losses. DeepSeek-V3
     used 0.3 for its first 10T tokens, then 0.1. The logged loss is this sum."""
+    loss_chunk_tokens: int = 0
+    """Compute the output projection and the cross-entropy this many tokens at a time, with
+    each chunk's gradients in the same pass, so the float32 logits of the whole microbatch
+    (tokens x vocab x 4 bytes) never exist; holds a float32 buffer the size of the output weight
+    until backward instead. For an eager loss (a compiled one never writes them either).
+    0: off (the whole microbatch at once). Not with tensor or pipeline parallel, multi-token
+    prediction or "loss" in [compile] components."""
     dataloader: DataLoaderOptions = field(default_factory=DataLoaderOptions)
 
     def validate(self) -> list[str]:
@@ -258,6 +265,11 @@ class Training:
             problems.append(
                 f"[training] max_nonfinite_in_a_row = {self.max_nonfinite_in_a_row} is not valid\n"
                 "use 0 (stop at the first) or the number of bad steps in a row to skip"
+            )
+        if self.loss_chunk_tokens < 0:
+            problems.append(
+                f"[training] loss_chunk_tokens = {self.loss_chunk_tokens} is not valid\n"
+                "use 0 (off) or a positive number of tokens (e.g. 1024)"
             )
         if self.mtp_loss_weight < 0:
             problems.append(

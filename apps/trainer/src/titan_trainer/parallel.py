@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import titan_parallel
-from titan_core import ParallelDims, get_logger
+from titan_core import ConfigError, ParallelDims, get_logger
 from titan_trainer.loss import with_mtp
 from titan_trainer.precision import DTYPES
 
@@ -74,6 +74,8 @@ class ParallelRuntime:
             parts = self.pipeline.model_parts
         else:
             parts = [model]
+            if self.config.training.loss_chunk_tokens > 0:
+                self.loss_fn = _chunked_loss(model, self.config.training.loss_chunk_tokens)
         for part in parts:
             self.parallelize_part(part)
         self.autocast = (
@@ -265,6 +267,32 @@ def _cp_buffers(part: nn.Module) -> dict[str, int]:
             f" (its buffers: {', '.join(sorted(known)) or 'none'})"
         )
     return buffers
+
+
+def _chunked_loss(model: nn.Module, chunk_tokens: int) -> Callable:
+    """`[training] loss_chunk_tokens`: the model's output projection hands back the hidden
+    states, and the loss applies its weight `chunk_tokens` tokens at a time (the config check
+    has refused tensor and pipeline parallel, MTP and a compiled loss)."""
+    try:
+        output = titan_parallel.defer_output(model)
+    except TypeError as e:
+        raise ConfigError(
+            f"[training] loss_chunk_tokens = {chunk_tokens}: {e}\n"
+            'keep "output" in [quantize.linear.float8] filter_fqns, or set'
+            " loss_chunk_tokens = 0"
+        ) from None
+    log.info(
+        "loss: the output projection and cross-entropy run %d tokens at a time"
+        " ([training] loss_chunk_tokens)",
+        chunk_tokens,
+    )
+
+    def loss(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Read at each call: FSDP swaps in the gathered weight for forward and keeps it
+        # gathered after the last group's forward (titan_parallel.apply_fsdp).
+        return titan_parallel.chunked_cross_entropy(hidden, output.weight, labels, chunk_tokens)
+
+    return loss
 
 
 def _token_sum(mean: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

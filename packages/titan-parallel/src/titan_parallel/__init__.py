@@ -9,6 +9,7 @@ with TorchFT (the `ft` extra)."""
 import importlib.metadata
 
 from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
+from titan_parallel.chunked_loss import DeferredLinear, chunked_cross_entropy, defer_output
 from titan_parallel.compile import apply_compile, compile_loss
 from titan_parallel.compiled_memory import simulated_backend
 from titan_parallel.config import (
@@ -83,6 +84,9 @@ __version__ = importlib.metadata.version(
 )  # the pyproject's version, one source
 
 __all__ = [
+    "DeferredLinear",
+    "chunked_cross_entropy",
+    "defer_output",
     "FaultToleranceConfig",
     "ReplicaGroup",
     "SemiSync",
