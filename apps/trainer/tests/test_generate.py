@@ -94,7 +94,7 @@ def test_greedy_text_is_the_same_from_dcp_tp_and_hf_and_equals_transformers(read
     assert texts[0] == PROMPT + tokenizer.decode(ids) + "\n"
     # The conversion showed its progress (tqdm, on stderr).
     (convert,) = [d for line, d in results if line.startswith("titan-ckpt convert")]
-    assert "read step-10" in convert.stderr and "write safetensors" in convert.stderr
+    assert "read step-10" in convert.stderr and "write HF weights" in convert.stderr
     # Its config.json names the tokenizer's BOS and EOS, and the model's own context length
     # (the debug flavor's 2048), not the run's 64-token samples.
     config = json.loads((cwd / "outputs/gen_hf/config.json").read_text())

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from tqdm import tqdm
 
 from titan_ckpt.dcp_io import SafeLoadPlanner, checkpoint_keys, save_model_checkpoint
 from titan_ckpt.hf_files import DTYPES, SafetensorsFolder
@@ -80,12 +81,19 @@ def dcp_to_hf(
         raise ValueError(f"{ckpt} holds no model tensors (no keys under {prefix!r})")
     mesh = world_mesh()
     state = empty_shards(shapes, mesh)
-    dcp.load(
-        {"model": state},
-        storage_reader=safe_reader(ckpt),
-        planner=SafeLoadPlanner(),
-        no_dist=mesh is None,
-    )
+    local = sum(_local(t).nbytes for t in state.values())
+    # One bar for this rank's share: DCP reads it in one call (its own threads, in parallel).
+    with tqdm(
+        total=local, unit="B", unit_scale=True, desc=f"read {Path(str(ckpt)).name}",
+        disable=not progress,
+    ) as bar:  # fmt: skip
+        dcp.load(
+            {"model": state},
+            storage_reader=safe_reader(ckpt),
+            planner=SafeLoadPlanner(),
+            no_dist=mesh is None,
+        )
+        bar.update(local)
     return save_hf_weights(
         state, adapter, out, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress
     )
@@ -111,3 +119,7 @@ def hf_to_dcp(
     state = empty_shards(shapes, world_mesh())
     load_hf_weights(state, adapter, folder, progress=progress)
     return save_model_checkpoint(state, out, step=step)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
