@@ -69,8 +69,10 @@ CASES = [
 def _moe(moe):
     # An auxiliary-loss weight large enough that a wrongly weighted gradient of it (per
     # pipeline microbatch, per data-parallel rank) moves the parameters beyond the tolerance,
-    # and a bias that moves visibly in three steps.
-    return dataclasses.replace(moe, hidden_dim=32, aux_loss_alpha=0.1)
+    # and a bias that moves visibly in three steps. The sequence-wise form: the batch-wise one
+    # (Llama 4's and Qwen3's flavors) is taken over each rank's microbatch, as Hugging Face and
+    # Megatron take it, so it differs with the layout by design.
+    return dataclasses.replace(moe, hidden_dim=32, aux_loss_alpha=0.1, aux_loss_type="sequence")
 
 
 def deepseek_v3(dense: bool = False, vocab: int = 256) -> nn.Module:

@@ -41,7 +41,9 @@ class MoEArgs:
     aux_loss_type: Literal["sequence", "batch"] = "sequence"
     """Over what the auxiliary loss measures balance: each sequence (DeepSeek-V3's
     sequence-wise loss) or all the tokens of the microbatch (the batch-level loss of Qwen3-MoE,
-    Mixtral and Hugging Face's `load_balancing_loss_func`)."""
+    Mixtral and Hugging Face's `load_balancing_loss_func`). The batch-level loss is taken over
+    each rank's microbatch, as Hugging Face and Megatron take it by default, so its value and
+    gradient depend on the data-parallel layout; the sequence-wise one does not."""
     use_grouped_mm: bool = True
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
