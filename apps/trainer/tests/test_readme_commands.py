@@ -346,5 +346,9 @@ def test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_ou
         assert "HF_HUB_OFFLINE=1" in out and "local copy of allenai/c4" in out
         assert "[rank" not in out and "Traceback" not in out  # no rank was started
         assert not (tmp_path / "spool" / "srun").exists()
-        # Checked for the job's size (8 processes; 8 nodes x 8): the layout raised nothing.
-        assert out.count("titan: config error:") == 1, out[-3000:]
+        # Checked for the job's size (8 processes; 8 nodes x 8): the layout raised nothing. (The
+        # disk this test runs on may also be too small for the job's checkpoints: that one is
+        # this machine's, not the command's.)
+        errors = re.findall(r"titan: config error: (.*)", out)
+        others = [e for e in errors if "will not fit on the disk" not in e]
+        assert len(others) == 1, out[-3000:]

@@ -18,6 +18,7 @@ resume whose checkpoint was saved with other groups (`resume_group_problems`).
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,12 @@ def resume_group_problems(config, model: nn.Module) -> list[str]:
     if path is None or not (path / "config.toml").is_file():
         return []
     try:
-        saved = load_config(JobConfig, [], toml_path=path / "config.toml").optimizer
+        with tempfile.TemporaryDirectory(prefix="titan-config-") as tmp:
+            # A copy on this disk: the checkpoint may be at a URL (s3://...), which the config
+            # loader does not read.
+            local = Path(tmp) / "config.toml"
+            local.write_text((path / "config.toml").read_text())
+            saved = load_config(JobConfig, [], toml_path=local).optimizer
     except (ConfigError, OSError):
         return []  # written by another version: the load itself reports what does not fit
     now = config.optimizer
