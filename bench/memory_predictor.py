@@ -20,7 +20,7 @@ import json
 import time
 
 from titan_core import plugins, resolve
-from titan_trainer.dry_run_check import LAYOUTS, compare_layout, layout_config
+from titan_trainer.dry_run.accuracy import LAYOUTS, compare_layout, layout_config
 
 
 def main() -> None:

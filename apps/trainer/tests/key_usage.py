@@ -62,9 +62,9 @@ def paused(fn):
 def main(out: str, work: str) -> None:
     from titan_core import init_logging, load_config
     from titan_trainer import train as train_module
-    from titan_trainer.checks import preflight_problems
     from titan_trainer.config import JobConfig
     from titan_trainer.dry_run import dry_run
+    from titan_trainer.preflight import preflight_problems
     from titan_trainer.shipped import find_config_file
     from titan_trainer.train import train
 

@@ -15,11 +15,13 @@ from torch.distributed.tensor import DTensor
 
 from titan_core import load_config
 from titan_parallel.memory_estimate import fake_process_group
-from titan_trainer.checks import parallel_dims_for, preflight_problems
 from titan_trainer.config import JobConfig
+from titan_trainer.layout import layout_text
+from titan_trainer.loss import cross_entropy_loss
+from titan_trainer.model import build_converters, build_model
 from titan_trainer.parallel import build_parallel_runtime
+from titan_trainer.preflight import preflight_problems
 from titan_trainer.shipped import find_config_file
-from titan_trainer.train import build_converters, build_model, cross_entropy_loss, layout_text
 
 
 def split(name: str) -> dict:
@@ -28,7 +30,7 @@ def split(name: str) -> dict:
     world = config.dry_run.world_size
     problems, _notes, vocab = preflight_problems(config, world, dry_run=True)
     with fake_process_group(world, world - 1):
-        dims = parallel_dims_for(config, world)
+        dims = config.parallelism.build_parallel_dims(world)
         dims.build_mesh("cpu")
         runtime = build_parallel_runtime(
             config, dims, torch.device("cpu"), torch.bfloat16, 0, cross_entropy_loss

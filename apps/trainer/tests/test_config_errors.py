@@ -182,7 +182,7 @@ def test_block_causal_attention_is_refused_with_context_parallel():
 
 
 def test_block_causal_attention_needs_a_model_that_takes_document_ids():
-    from titan_trainer.checks import preflight_problems
+    from titan_trainer.preflight import preflight_problems
 
     config = load_config(
         JobConfig,
@@ -251,7 +251,8 @@ def test_every_float_key_refuses_nan_and_inf():
 
 
 def test_multi_token_prediction_is_checked_against_the_family_and_context_parallel():
-    from titan_trainer.checks import model_args_for, preflight_problems
+    from titan_trainer.model import model_args_for
+    from titan_trainer.preflight import preflight_problems
 
     def found(*args, world_size=1):
         return preflight_problems(load_config(JobConfig, list(args)), world_size)[0]

@@ -352,7 +352,8 @@ def test_fault_tolerance_problems_name_the_fix(monkeypatch):
     from titan_core import ConfigError
     from titan_trainer.checks import check_config
     from titan_trainer.config import JobConfig
-    from titan_trainer.fault_tolerance import data_coordinates, fault_tolerance_problems
+    from titan_trainer.data import data_coordinates
+    from titan_trainer.fault_tolerance import fault_tolerance_problems
 
     config = JobConfig()
     config.fault_tolerance.enable = True

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from titan_core import load_config, plugins, resolve
-from titan_trainer.checks import model_args_for, parallel_dims_for, preflight_problems
 from titan_trainer.config import WANDB_MISSING, JobConfig, Model
 from titan_trainer.memory_check import (
     RankNeed,
@@ -27,6 +26,8 @@ from titan_trainer.memory_check import (
     memory_problem,
     rank_need,
 )
+from titan_trainer.model import model_args_for
+from titan_trainer.preflight import preflight_problems
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "apps/trainer/configs"
@@ -78,7 +79,7 @@ def test_a_sequence_length_whose_activations_cannot_fit_is_refused_with_numbers_
     cpu = torch.device("cpu")
     for seq_len, fits in ((256, True), (100_000, False)):
         cfg = config("--training.seq_len", str(seq_len))
-        dims = parallel_dims_for(cfg, 1)
+        dims = cfg.parallelism.build_parallel_dims(1)
         with torch.device("meta"):
             model = spec.build(model_args_for(spec, cfg, 320))
         need = rank_need(cfg, [model], dims, 320, cpu, torch.bfloat16, 2.0)
@@ -101,7 +102,7 @@ def test_the_activation_estimate_follows_activation_checkpointing():
     estimates = {}
     for mode in ("none", "selective", "full"):
         cfg = config("--training.seq_len", "2048", "--activation_checkpoint.mode", mode)
-        dims = parallel_dims_for(cfg, 1)
+        dims = cfg.parallelism.build_parallel_dims(1)
         estimates[mode] = activation_bytes(cfg, dims, 320, cpu, torch.bfloat16)
     none, selective, full = estimates["none"], estimates["selective"], estimates["full"]
     assert none.low == none.high and full.low == full.high
@@ -110,7 +111,9 @@ def test_the_activation_estimate_follows_activation_checkpointing():
     assert (selective.low, selective.high) == (full.low, none.high)
     # Twice the sequence: about twice the activations (SDPA keeps no seq x seq scores).
     cfg = config("--training.seq_len", "4096", "--activation_checkpoint.mode", "none")
-    doubled = activation_bytes(cfg, parallel_dims_for(cfg, 1), 320, cpu, torch.bfloat16)
+    doubled = activation_bytes(
+        cfg, cfg.parallelism.build_parallel_dims(1), 320, cpu, torch.bfloat16
+    )
     assert 1.8 < doubled.high / none.high < 2.2
 
 
@@ -171,7 +174,7 @@ def test_a_shortfall_below_a_tenth_of_a_gib_is_shown_with_its_digits():
 
 
 def test_the_suggestions_for_a_mixture_of_experts_model_include_expert_parallel():
-    from titan_trainer.dry_run_suggest import CHANGES
+    from titan_trainer.dry_run.suggest import CHANGES
 
     def labels(cfg: JobConfig, world: int) -> list[str]:
         return [c.label for c in CHANGES if c.apply(cfg, world) is not None]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from titan_core import plugins, resolve
-from titan_trainer.dry_run_check import LAYOUTS, compare_layout, layout_config
+from titan_trainer.dry_run.accuracy import LAYOUTS, compare_layout, layout_config
 from titan_trainer.plots import read_scalars
 
 # torch.cuda.max_memory_allocated of each run on one NVIDIA H100 80GB HBM3, torch 2.11 (issue 31:

@@ -65,8 +65,8 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_losses(
 
 
 def test_llama4_context_parallel_beyond_one_attention_chunk_is_refused_before_start():
-    from titan_trainer.checks import preflight_problems
     from titan_trainer.config import JobConfig
+    from titan_trainer.preflight import preflight_problems
 
     config = JobConfig()
     config.model.name, config.model.flavor = "llama4", "debugmodel"  # chunks of 64

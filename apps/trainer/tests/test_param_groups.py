@@ -36,7 +36,7 @@ def _load(args: list[str]) -> JobConfig:
 
 
 def _model(config: JobConfig) -> torch.nn.Module:
-    from titan_trainer.checks import model_args_for
+    from titan_trainer.model import model_args_for
 
     spec = resolve(plugins.MODELS, config.model.name)
     with torch.device("meta"):

@@ -10,13 +10,14 @@ from torch.overrides import TorchFunctionMode
 
 from titan_core import init_distributed, load_config, plugins, resolve
 from titan_core.distributed import destroy_distributed
-from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
 from titan_trainer.guards import NonFiniteStepError, StepGuard
+from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.metrics import StepTimer
+from titan_trainer.model import build_model
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import build_parallel_runtime
-from titan_trainer.train import build_model, cross_entropy_loss, train_step
+from titan_trainer.train import train_step
 
 READBACKS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
 
@@ -53,7 +54,7 @@ def trainer_parts():
     )
     info = init_distributed("cpu")
     try:
-        dims = parallel_dims_for(cfg, 1)
+        dims = cfg.parallelism.build_parallel_dims(1)
         dims.build_mesh("cpu")
         data = resolve(plugins.DATA, cfg.training.data_plugin)
         tokenizer = data.build_tokenizer("byte")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from titan_core import ConfigError, load_config
-from titan_trainer.checks import preflight_problems
 from titan_trainer.config import JobConfig
+from titan_trainer.preflight import preflight_problems
 
 FOLDER = Path(__file__).parent / "torchtitan_configs"
 

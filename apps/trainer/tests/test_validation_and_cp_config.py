@@ -79,7 +79,7 @@ def test_validation_under_a_v_schedule_is_refused_before_start_up():
     """The V schedules keep two neighbouring stages on one rank, whose hand-off torch's
     forward-only schedule runs as in training and fails: refused with the fix, before any
     process group; another schedule passes the same check."""
-    from titan_trainer.checks import preflight_problems
+    from titan_trainer.preflight import preflight_problems
 
     base = [
         *("--validation.enable", "true"),

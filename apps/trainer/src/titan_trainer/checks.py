@@ -1,24 +1,19 @@
 """Checks that need more than one section, or the job's size: run before any process group
-exists, so a bad combination costs seconds, not a queue slot."""
+exists, so a bad combination costs seconds, not a queue slot. The checks that need the
+tokenizer, the datasets and the whole model are `titan_trainer.preflight`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-import json
-import os
 import time
 
 import torch
 
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
-from titan_core.device import resolve_device_type
 from titan_trainer.config import JobConfig
-from titan_trainer.fault_tolerance import fault_tolerance_problems
-from titan_trainer.logs import rank_problems
+from titan_trainer.layout import Layout
 from titan_trainer.optimizer import optimizer_problem
-from titan_trainer.param_groups import group_preflight_problems, resumed_checkpoint
 
 
 def _plugin_problem(group: str, key: str, name: str) -> str | None:
@@ -29,14 +24,9 @@ def _plugin_problem(group: str, key: str, name: str) -> str | None:
     return None
 
 
-def parallel_dims_for(config: JobConfig, world_size: int) -> ParallelDims:
-    """The layout `[parallelism]` describes for a job of `world_size` processes (raises
-    ConfigError when the degrees do not fit it)."""
-    return config.parallelism.build_parallel_dims(world_size)
-
-
-def check_config(config: JobConfig, world_size: int) -> None:
-    """Raise ConfigError listing every problem of `config` for a job of `world_size` processes."""
+def check_config(config: JobConfig, world_size: int, vocab_size: int | None = None) -> Layout:
+    """Raise ConfigError listing every problem of `config` for a job of `world_size` processes;
+    else the job's `Layout` (`vocab_size`: the tokenizer's, when the caller has loaded it)."""
     problems: list[str] = []
     model_problem = _plugin_problem(plugins.MODELS, "[model] name", config.model.name)
     if model_problem:
@@ -78,13 +68,15 @@ def check_config(config: JobConfig, world_size: int) -> None:
         )
 
     try:
-        dims = parallel_dims_for(config, world_size)
+        layout = Layout.resolve(config, world_size)
     except ConfigError as e:
         problems.extend(e.problems)
         raise ConfigError(problems) from None
-    problems += _expert_problems(config, dims)
+    layout.vocab_size = vocab_size
+    dims = layout.dims
+    problems += _expert_problems(config, layout)
     problems += _balance_problems(config)
-    problems += _tensor_parallel_problems(config, dims)
+    problems += _tensor_parallel_problems(config, layout)
     if not model_problem:
         problems += _loss_chunk_problems(config, dims, spec)
     t = config.training
@@ -118,6 +110,7 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems += _pipeline_validation_problems(config)
     if problems:
         raise ConfigError(problems)
+    return layout
 
 
 def _pipeline_validation_problems(config: JobConfig) -> list[str]:
@@ -141,12 +134,13 @@ def _pipeline_validation_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def _expert_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+def _expert_problems(config: JobConfig, layout: Layout) -> list[str]:
     """Whether the model's mixture-of-experts layers split over this layout (EP degree dividing
-    the experts, TP the experts' hidden features), read from the model built on the meta
+    the experts, TP the experts' hidden features), read from the layout's model on the meta
     device; only when EP or TP is on (a dense model under TP needs nothing here)."""
     import titan_parallel
 
+    dims = layout.dims
     if dims.ep == 1 and dims.tp == 1:
         return []
     try:
@@ -156,8 +150,9 @@ def _expert_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
         return []  # reported as such by the checks above
     if dims.ep == 1 and getattr(args, "moe", None) is None:
         return []  # a dense flavor under TP: nothing to split here
-    with torch.device("meta"):
-        model = spec.build(args)
+    if mtp_problems(config, spec):
+        return []  # the model cannot be built with that depth: said by the preflight
+    model = layout.meta_model()
     problems = titan_parallel.expert_parallel_problems(model, ep=dims.ep, tp=dims.tp)
     if dims.tp > 1 and titan_parallel.moe_layers(model):
         problems += config.parallelism.expert_tp_problems()
@@ -201,55 +196,7 @@ def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[st
     ]
 
 
-def hf_import_vocab(config: JobConfig) -> int | None:
-    """The vocabulary size of the Hugging Face weights a run starts from (`vocab_size` in the
-    config.json of `initial_load_path` with `initial_load_in_hf`), or None."""
-    ckpt = config.checkpoint
-    if not (ckpt.initial_load_in_hf and ckpt.initial_load_path):
-        return None
-    try:
-        with open(os.path.join(ckpt.initial_load_path, "config.json"), encoding="utf-8") as f:
-            vocab = json.load(f).get("vocab_size")
-    except (OSError, ValueError, AttributeError):  # no readable config.json: the tokenizer's
-        return None
-    return vocab if isinstance(vocab, int) and vocab > 0 else None
-
-
-def model_args_for(spec, config: JobConfig, vocab_size: int):
-    """The flavor's arguments with the tokenizer's vocabulary (rounded up to a multiple of 64,
-    so that any TP degree up to 64 splits it evenly, or the vocabulary of the Hugging Face
-    weights the run starts from when that holds the tokenizer's: Qwen's 151,936 rows for its
-    151,669 ids) and the training sequence length."""
-    args = spec.flavors[config.model.flavor]
-    padded = -(-vocab_size // 64) * 64
-    imported = hf_import_vocab(config)
-    if imported is not None and imported >= vocab_size:
-        padded = imported
-    changes = {}
-    fields = {f.name for f in dataclasses.fields(args)}
-    if "vocab_size" in fields:
-        changes["vocab_size"] = padded
-    if "max_seq_len" in fields:
-        changes["max_seq_len"] = config.training.seq_len
-    if getattr(args, "moe", None) is not None:
-        changes["moe"] = moe_balance_for(args.moe, config)
-    if config.model.n_mtp_layers is not None and "n_mtp_layers" in fields:
-        changes["n_mtp_layers"] = config.model.n_mtp_layers
-    return dataclasses.replace(args, **changes)
-
-
-def moe_balance_for(moe, config: JobConfig):
-    """The flavor's MoE arguments with the balancing the [model] keys set (0: off)."""
-    m = config.model
-    changes = {}
-    if m.moe_aux_loss_alpha is not None:
-        changes["aux_loss_alpha"] = m.moe_aux_loss_alpha
-    if m.moe_load_balance_coeff is not None:
-        changes["load_balance_coeff"] = m.moe_load_balance_coeff or None
-    return dataclasses.replace(moe, **changes)
-
-
-def _mtp_problems(config: JobConfig, spec) -> list[str]:
+def mtp_problems(config: JobConfig, spec) -> list[str]:
     """`[model] n_mtp_layers` needs a family that has multi-token-prediction layers."""
     wanted = config.model.n_mtp_layers
     if wanted is None:
@@ -307,158 +254,23 @@ def _loss_chunk_problems(config: JobConfig, dims: ParallelDims, spec) -> list[st
     return problems
 
 
-def preflight_problems(
-    config: JobConfig, world_size: int, *, dry_run: bool = False, open_datasets: bool = False
-) -> tuple[list[str], list[str], int]:
-    """Every check that needs no process group and no memory: the config for this world size,
-    the parallelize and pipeline configuration, the tokenizer and the datasets.
-
-    Returns (problems, notes, vocabulary size). A real run stops on any problem before it
-    creates process groups. A dry run checks for the job's GPUs wherever it runs, and takes
-    a missing tokenizer as a note (the cluster may hold the file), using the flavor's
-    vocabulary size instead. With `open_datasets` (once per job, not in a dry run) each
-    dataset's first document is read too: a hub dataset out of reach stops the job here.
-    """
-    import titan_parallel
-
-    problems: list[str] = []
-    notes: list[str] = []
-    try:
-        check_config(config, world_size)
-    except ConfigError as e:
-        return e.problems, notes, 0
-    problems += rank_problems(config.logging, world_size)
-    dims = parallel_dims_for(config, world_size)
-    device_type = "cuda" if dry_run else resolve_device_type(config.job.device)
-    problems += titan_parallel.check_parallelize_config(
-        config.parallelism,
-        config.activation_checkpoint,
-        config.compile,
-        device_type=device_type,
-        cpu_offload=config.training.enable_cpu_offload,
-        dims=dims,
-    )
-    spec = resolve(plugins.MODELS, config.model.name)
-    data = resolve(plugins.DATA, config.training.data_plugin)
-    vocab_size = getattr(spec.flavors[config.model.flavor], "vocab_size", 0)
-    tokenizer_path, note = config.model.tokenizer_source()
-    if note:
-        notes.append(note)
-    try:
-        vocab_size = data.build_tokenizer(tokenizer_path).vocab_size
-    except Exception as e:  # any failure to load is the user's to see, with its reason
-        key = (
-            "tokenizer_path" if tokenizer_path == config.model.tokenizer_path else "hf_assets_path"
-        )
-        message = f"[model] {key} = {tokenizer_path!r} cannot be loaded: {_first_line(e)}"
-        if dry_run:
-            notes.append(f"{message}; memory uses the flavor's vocabulary ({vocab_size:,})")
-        else:
-            problems.append(
-                message + f"\npoint {key} at a tokenizer.json or tokenizer.model (or a"
-                " folder holding one), or use byte"
-            )
-    else:
-        problems += _hf_vocab_problems(config, tokenizer_path, vocab_size, notes)
-    datasets = [("training", config.training.dataset, config.training.dataset_path)]
-    if config.validation.enable:
-        datasets.append(("validation", config.validation.dataset, config.validation.dataset_path))
-    for section, dataset, path in datasets:
-        found = _dataset_problems(data, section, dataset, path, notes)
-        if not found and open_datasets:
-            found = _dataset_open_problems(data, section, dataset, path)
-        problems += found
-    mtp = _mtp_problems(config, spec)
-    if mtp:  # the checks below build the model
-        return problems + mtp, notes, vocab_size
-    problems += _pipeline_problems(config, spec, dims, vocab_size, notes)
-    problems += _param_group_problems(config, spec, vocab_size)
-    problems += _attention_problems(config, spec, vocab_size)
-    problems += _context_parallel_problems(config, spec, dims, vocab_size)
-    if not dry_run:
-        problems += fault_tolerance_problems(config)
-    space = _checkpoint_space_problems(config, spec, vocab_size, notes)
-    if not dry_run:  # a dry run plans for the cluster's disks, not this machine's
-        problems += space
-    return problems, notes, vocab_size
-
-
-def _hf_vocab_problems(
-    config: JobConfig, tokenizer_path: str, vocab_size: int, notes: list[str]
-) -> list[str]:
-    """Hugging Face weights to start from must have a row for every id of the tokenizer."""
-    imported = hf_import_vocab(config)
-    if imported is None:
-        return []
-    path = config.checkpoint.initial_load_path
-    if imported < vocab_size:
-        return [
-            f"[checkpoint] initial_load_path = {path!r} holds weights for {imported:,} token ids"
-            f" (its config.json), fewer than the {vocab_size:,} of the tokenizer"
-            f" {tokenizer_path!r}\nuse the tokenizer those weights were trained"
-            f" with (a Hugging Face folder holds it: --model.tokenizer_path {path})"
-        ]
-    notes.append(
-        f"model: vocabulary {imported:,} from the Hugging Face weights in {path}"
-        f" (the tokenizer has {vocab_size:,} ids)"
-    )
-    return []
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _dataset_problems(
-    data, section: str, dataset: str, path: str | None, notes: list[str]
-) -> list[str]:
-    describe = getattr(data, "describe_dataset", None)
-    if describe is None:
-        notes.append(
-            f"data plugin {data.name!r} cannot check [{section}] dataset before loading it"
-        )
-        return []
-    try:
-        notes.append(f"[{section}] dataset: {describe(dataset, path)}")
-    except (ValueError, FileNotFoundError, OSError) as e:
-        return [f"[{section}] dataset = {dataset!r}: {_first_line(e)}"]
-    return []
-
-
-def _dataset_open_problems(data, section: str, dataset: str, path: str | None) -> list[str]:
-    """The data plugin reads the dataset's first document (see `DataSpec.check_dataset`)."""
-    check = getattr(data, "check_dataset", None)
-    if check is None:
-        return []
-    try:
-        check(dataset, path)
-    except Exception as e:  # noqa: BLE001 - whatever a plugin raises, its message is the answer
-        if callable(getattr(e, "for_option", None)):
-            # A first row without the default text field: reachable, and the loader checks the
-            # field with the run's dataset_text_field, naming that key (guards.py).
-            return []
-        text = str(e).strip() or type(e).__name__
-        named = text.startswith(f"dataset {dataset} ")  # titan-data's messages name it
-        return [f"[{section}] {text}" if named else f"[{section}] dataset = {dataset!r}: {text}"]
-    return []
-
-
-def _tensor_parallel_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+def _tensor_parallel_problems(config: JobConfig, layout: Layout) -> list[str]:
     """The model's tensor-parallel plan at this degree (heads, hidden sizes, experts' overlap),
-    read from the model built on the meta device: what `parallelize` would refuse later. The
-    vocabulary is padded to a multiple of 64 for any degree, so the flavor's own serves."""
+    read from the layout's model on the meta device: what `parallelize` would refuse later.
+    The vocabulary is padded to a multiple of 64 for any degree."""
     import titan_parallel
 
+    dims = layout.dims
     if not dims.tp_enabled:
         return []
     try:
         spec = resolve(plugins.MODELS, config.model.name)
-        args = spec.flavors[config.model.flavor]
+        spec.flavors[config.model.flavor]
     except (PluginError, KeyError):
         return []  # reported as such by the checks above
-    with torch.device("meta"):
-        model = spec.build(args)
+    if mtp_problems(config, spec):
+        return []  # the model cannot be built with that depth: said by the preflight
+    model = layout.meta_model()
     if not hasattr(model, "tp_plan"):
         return []  # parallelize names what the model lacks
     from titan_parallel.expert_parallel import tp_plan_overlaps
@@ -468,72 +280,6 @@ def _tensor_parallel_problems(config: JobConfig, dims: ParallelDims) -> list[str
     if titan_parallel.moe_layers(model):
         problems += tp_plan_overlaps(model, plan)
     return [f"{config.model.name} {config.model.flavor}: {problem}" for problem in problems]
-
-
-def _pipeline_problems(
-    config: JobConfig, spec, dims: ParallelDims, vocab_size: int, notes
-) -> list[str]:
-    import titan_parallel
-
-    p = config.parallelism
-    if not dims.pp_enabled:
-        default = type(p)().pipeline_parallel_schedule
-        try:
-            name = titan_parallel.schedule_name(p.pipeline_parallel_schedule)
-        except ConfigError as e:
-            return e.problems
-        if name != default or p.pipeline_parallel_schedule_csv:
-            notes.append(
-                f"[parallelism] pipeline_parallel_schedule = {name} has no effect: pipeline_parallel_degree is 1"
-            )
-        return []
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
-    try:
-        plan = titan_parallel.plan_pipeline(
-            model,
-            dims.pp,
-            schedule=p.pipeline_parallel_schedule,
-            microbatch_size=p.pipeline_parallel_microbatch_size,
-            local_batch_size=config.training.local_batch_size,
-            layers_per_stage=p.pipeline_parallel_layers_per_stage,
-            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-            split_points=p.module_fqns_per_model_part,
-            seq_len=config.training.seq_len,
-            csv_path=p.pipeline_parallel_schedule_csv or None,
-        )
-    except ConfigError as e:
-        return e.problems
-    if config.validation.enable and plan.eval_problem is not None:
-        return [f"[validation] enable = true: {plan.eval_problem}"]
-    return []
-
-
-def _param_group_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
-    """[[optimizer.param_groups]] against the whole model (every pipeline stage's names), and
-    against the groups of the checkpoint a resume loads."""
-    if not config.optimizer.param_groups and resumed_checkpoint(config) is None:
-        return []
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
-    return group_preflight_problems(config, model)
-
-
-def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
-    """block_causal needs a model whose forward takes `document_ids`."""
-    if config.model.attn_mask_type != "block_causal":
-        return []
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
-    if "document_ids" in inspect.signature(model.forward).parameters:
-        return []
-    return [
-        f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
-        f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
-        " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
-        " titan_models.attention)"
-    ]
 
 
 def block_causal_device_problem(config: JobConfig, device: torch.device) -> str | None:
@@ -564,42 +310,6 @@ def block_causal_device_problem(config: JobConfig, device: torch.device) -> str 
         f" mask:\n  {said}\ntraining would let documents attend to each other; use"
         " attn_mask_type = 'causal' on this machine, or another torch version"
     )
-
-
-def _context_parallel_problems(config: JobConfig, spec, dims: ParallelDims, vocab_size: int):
-    """A model may not take context parallel at this sequence length (Llama 4's chunked
-    attention needs the sequence to fit in one chunk): its `cp_buffers()` says so."""
-    if not dims.cp_enabled:
-        return []
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
-    try:
-        model.cp_buffers()
-    except ValueError as e:
-        return [f"[parallelism] context_parallel_degree = {dims.cp}: {e}"]
-    return []
-
-
-def _checkpoint_space_problems(config: JobConfig, spec, vocab_size: int, notes) -> list[str]:
-    """Whether the run's checkpoints fit on the disk of their folder: the checkpointer's
-    `check_space`, given the bytes of the state it saves, counted from the model's shapes on
-    the meta device (parameters as built, the optimizer's copies in float32 units)."""
-    ckpt = config.checkpoint
-    if not ckpt.enable or ckpt.create_seed_checkpoint:
-        return []
-    check = getattr(resolve(plugins.CHECKPOINTERS, ckpt.checkpointer), "check_space", None)
-    if check is None:
-        return []
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
-    params = list(model.parameters())
-    state_bytes = sum(p.numel() * p.element_size() for p in params) + int(
-        sum(p.numel() for p in params) * 4 * optimizer_state_copies(config.optimizer)
-    )
-    problems, note = check(ckpt, config.job.dump_folder, state_bytes, config.training.steps)
-    if note:
-        notes.append(note)
-    return problems
 
 
 def optimizer_state_copies(optimizer) -> float:

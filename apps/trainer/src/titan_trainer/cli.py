@@ -1,7 +1,7 @@
 """`titan-train` (also `python -m titan_trainer`): parse and check the config, then train.
 
 `titan-train --dry-run ...` (or `--comm.mode fake_backend`) simulates the job instead of
-running it: see `dry_run.py`.
+running it: see `dry_run/`.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     init_logging()
-    from titan_trainer.checks import preflight_problems
+    from titan_trainer.preflight import preflight
 
     try:
         config = load_config(JobConfig, args, find_config_file=find_config_file)
@@ -101,25 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     from titan_trainer.logs import choose_console_ranks
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
-    problems, notes, _ = preflight_problems(
+    checked = preflight(
         config, world_size_from_env(), open_datasets=check_only or _reads_the_data_first()
     )
-    if problems:
-        print(ConfigError(problems), file=sys.stderr)
+    if checked.problems:
+        print(ConfigError(checked.problems), file=sys.stderr)
         return 2
     from titan_core import CheckpointError, RunFolderError, get_logger
     from titan_trainer.comm import CollectiveError
     from titan_trainer.guards import NonFiniteStepError, StartupError
 
     said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
-    for note in notes:
+    for note in checked.notes:
         get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
     if check_only:
         return 0
     from titan_trainer.train import train
 
     try:
-        result = train(config)
+        result = train(config, checked.layout)  # its dims and meta model, resolved once
     except KeyboardInterrupt:  # Ctrl-C before the first step (the steps catch their own)
         print("titan: stopped by Ctrl-C before training started", file=sys.stderr)
         return STOPPED_BY_SIGINT

@@ -1,5 +1,6 @@
 """The trainer's side of TorchFT replica groups ([fault_tolerance], titan-parallel's
-`ReplicaGroup`): what a step does differently, and where each group's data comes from.
+`ReplicaGroup`): what a step does differently (where each group's data comes from is
+`titan_trainer.data.data_coordinates`).
 
 Each replica group is a job of its own (its own torchrun, dump folder and checkpoints); the
 groups train one model on different shards of the data and average their gradients every step
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from titan_ckpt import ModelState, OptimizerState
-from titan_core import ParallelDims, get_logger
+from titan_core import get_logger
 
 log = get_logger("fault_tolerance")
 
@@ -108,17 +109,6 @@ def fault_tolerance_problems(config) -> list[str]:
             " address as [fault_tolerance] lighthouse or TORCHFT_LIGHTHOUSE=http://host:29510"
         )
     return problems
-
-
-def data_coordinates(config, dims: ParallelDims) -> tuple[int, int]:
-    """(this rank's index among every data-parallel rank of the job, their number): the replica
-    groups split the data between them, each group's data-parallel ranks split its share."""
-    mesh = dims.mesh("dp")
-    dp_rank, dp_world = (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
-    ft = config.fault_tolerance
-    if not ft.enable:
-        return dp_rank, dp_world
-    return ft.replica_id * dp_world + dp_rank, ft.group_size * dp_world
 
 
 class StepBatches:

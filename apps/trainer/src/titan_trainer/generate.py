@@ -72,8 +72,8 @@ def find_checkpoint(path: Path) -> Path | None:
 def dcp_source(step: Path, tokenizer: str | None) -> Source:
     from titan_ckpt import load_consolidated
     from titan_core import load_config, plugins, resolve
-    from titan_trainer.checks import model_args_for
     from titan_trainer.config import JobConfig
+    from titan_trainer.model import model_args_for
 
     saved = step / "config.toml"
     if not saved.is_file():

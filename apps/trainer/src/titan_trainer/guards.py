@@ -1,5 +1,6 @@
-"""What keeps a run honest: one run per dump folder, folders that can be written, data that can
-make batches, and steps whose loss or gradient norm is NaN or inf never reaching the weights.
+"""What keeps a run honest: one run per dump folder, folders that can be written, and steps
+whose loss or gradient norm is NaN or inf never reaching the weights. (Data that cannot make
+batches is refused by `titan_trainer.data`.)
 
 `StepGuard` checks every step before `optimizer.step()` without reading anything back to the
 host: with a fused optimizer (the default, `[optimizer] implementation = "fused"`) the
@@ -75,19 +76,6 @@ def _is_url(folder: str) -> bool:
     return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", folder) is not None and not folder.startswith(
         "file://"
     )
-
-
-def build_checked_loader(data, section: str = "training", **kwargs):
-    """The data plugin's loader; its refusals (no tokens, bad rows, unreadable data) become a
-    StartupError that names the dataset keys of `section` ([training] or [validation])."""
-    try:
-        return data.build_dataloader(**kwargs)
-    except (ValueError, FileNotFoundError) as e:
-        # A plugin's error that can name the setting choosing the text field (titan-data's
-        # MissingTextField) names ours.
-        renamed = getattr(e, "for_option", None)
-        shown = renamed(f"[{section}] dataset_text_field") if callable(renamed) else e
-        raise StartupError(f"[{section}] dataset {kwargs.get('dataset')!r}: {shown}") from e
 
 
 class StepGuard:
@@ -254,14 +242,3 @@ class StepGuard:
         ranks = [r for s, r in seen if s == step]
         names = ", ".join(map(str, ranks))
         return f"Rank{'s' if len(ranks) > 1 else ''} {names}'s own loss was not finite first, at step {int(step)}"
-
-
-def skipped_rows_total(loader, dp_mesh, device: torch.device) -> int:
-    """Bad rows the data-parallel ranks' loaders have skipped, summed (0 for loaders that do not
-    count them). A collective over `dp_mesh`; called at logging steps only."""
-    count = torch.tensor([float(getattr(loader, "skipped_rows", 0))])
-    if dp_mesh is None:
-        return int(count.item())
-    count = count.to(device if dp_mesh.device_type != "cpu" else "cpu")
-    dist.all_reduce(count, group=dp_mesh.get_group())
-    return int(count.item())

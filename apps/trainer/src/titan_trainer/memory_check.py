@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core import MemoryMonitor, ParallelDims, get_logger, plugins, resolve
+from titan_core import MemoryMonitor, ParallelDims, get_logger
 
 log = get_logger("memory")
 GiB = 1024**3
@@ -69,14 +69,16 @@ def state_bytes(parts, optimizer_states: float) -> int:
     return nbytes
 
 
-def activation_bytes(config, dims: ParallelDims, vocab_size: int, device, dtype) -> Activations:
+def activation_bytes(
+    config, dims: ParallelDims, vocab_size: int, device, dtype, model: nn.Module | None = None
+) -> Activations:
     """A step's activations on one rank, measured on fake tensors (see the module docstring).
-    Tensor and context parallel split them over their ranks (sequence parallel the rest)."""
-    from titan_trainer.checks import model_args_for
+    Tensor and context parallel split them over their ranks (sequence parallel the rest).
+    `model`: the full model on the meta device, which this changes (built when not given)."""
+    if model is None:
+        from titan_trainer.layout import build_meta_model
 
-    spec = resolve(plugins.MODELS, config.model.name)
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
+        model = build_meta_model(config, vocab_size)
     kinds = _block_kinds(model)
     t = config.training
     outside, per_kind, inputs = _saved_bytes(
@@ -165,13 +167,14 @@ def _saved_bytes(model, kinds, batch: int, seq_len: int, device, dtype):
 
 
 def rank_need(
-    config, parts, dims: ParallelDims, vocab_size: int, device, dtype, copies
+    config, parts, dims: ParallelDims, vocab_size: int, device, dtype, copies, model=None
 ) -> RankNeed:
-    """This rank's need: its state, and a step's activations where they can be measured."""
+    """This rank's need: its state, and a step's activations where they can be measured
+    (`model`: a meta-device copy of the full model that the measure may change)."""
     activations = None
     if not dims.pp_enabled:  # a stage's microbatches in flight: the dry run knows them
         try:
-            activations = activation_bytes(config, dims, vocab_size, device, dtype)
+            activations = activation_bytes(config, dims, vocab_size, device, dtype, model)
         except Exception as e:  # noqa: BLE001 - a model fake tensors cannot run: state only
             log.debug("activations not estimated: %s: %s", type(e).__name__, e)
     return RankNeed(state_bytes(parts, copies), activations)

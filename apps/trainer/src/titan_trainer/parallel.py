@@ -52,24 +52,17 @@ class ParallelRuntime:
         stay on the meta device (see `materialize`). Returns this rank's model parts.
         `stage_io` gives the pipeline static shapes (the dry run's fake process group needs
         them; see `titan_parallel.infer_stage_io`)."""
-        p = self.config.parallelism
         self.flops_per_token = model.flops_per_token(self.config.training.seq_len)
         if self.dims.pp_enabled:
             self.pipeline = titan_parallel.build_pipeline(
                 model,
                 self.dims.mesh("pp"),
-                schedule=p.pipeline_parallel_schedule,
-                microbatch_size=p.pipeline_parallel_microbatch_size,
                 local_batch_size=self.config.training.local_batch_size,
+                seq_len=self.config.training.seq_len,
                 loss_fn=self._scaled_loss,
                 device=self.device,
-                layers_per_stage=p.pipeline_parallel_layers_per_stage,
-                first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-                last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-                split_points=p.module_fqns_per_model_part,
-                csv_path=p.pipeline_parallel_schedule_csv or None,
-                seq_len=self.config.training.seq_len,
                 stage_io=stage_io,
+                **self.config.parallelism.pipeline_options(),
             )
             parts = self.pipeline.model_parts
         else:

@@ -12,7 +12,6 @@ through titan-core's plugin registry; this file only composes them. `prepare` bu
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -44,12 +43,7 @@ from titan_core import (
 )
 from titan_core.distributed import destroy_distributed
 from titan_trainer import memory_check
-from titan_trainer.checks import (
-    block_causal_device_problem,
-    model_args_for,
-    optimizer_state_copies,
-    parallel_dims_for,
-)
+from titan_trainer.checks import block_causal_device_problem, optimizer_state_copies
 from titan_trainer.comm import (
     dump_trace,
     report_collective_failures,
@@ -58,25 +52,21 @@ from titan_trainer.comm import (
     trace_folder,
 )
 from titan_trainer.config import JobConfig
+from titan_trainer.data import build_loader, checkpointed_loader, skipped_rows_total
 from titan_trainer.experts import ExpertLoad
 from titan_trainer.fault_tolerance import (
     StepBatches,
     build_replica_group,
     build_semi_sync,
-    data_coordinates,
     settle_replica_step,
 )
-from titan_trainer.guards import (
-    StepGuard,
-    build_checked_loader,
-    claim_run_folders,
-    skipped_rows_total,
-)
-from titan_trainer.loader_state import checkpointed_loader, plugin_kwargs
+from titan_trainer.guards import StepGuard, claim_run_folders
+from titan_trainer.layout import Layout, accumulation_steps, layout_text
 from titan_trainer.logs import rank_logging
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.metrics import MetricsLogger, StepTimer
+from titan_trainer.model import build_converters, build_model, hf_model_args
 from titan_trainer.optimizer import build_optimizer, current_lr
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
 from titan_trainer.precision import compute_dtype
@@ -136,35 +126,6 @@ class TrainResult:
     checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
 
 
-def build_converters(config: JobConfig, dims: ParallelDims) -> list:
-    """The model converters named in `model.converters` (Float8 and friends), each given the
-    config section of the same name."""
-    return [
-        resolve(plugins.CONVERTERS, name)(config_section(config, name), dims)
-        for name in config.model.converters
-    ]
-
-
-def build_model(
-    config: JobConfig,
-    runtime: ParallelRuntime,
-    vocab_size: int,
-    converters: list,
-    stage_io=None,
-) -> list[nn.Module]:
-    """Meta-device build, converters, parallelism; returns this rank's parts, still on the
-    meta device (`runtime.materialize`, then weights from `runtime.init_weights` or a
-    checkpoint)."""
-    spec = resolve(plugins.MODELS, config.model.name)
-    with torch.device("meta"):
-        model = spec.build(model_args_for(spec, config, vocab_size))
-    for converter in converters:
-        converter.convert(model)
-    if config.model.print_after_conversion:
-        log.info("model after conversion:\n%s", model)
-    return runtime.parallelize(model, stage_io)
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -197,8 +158,10 @@ class Run:
         return self.config.job.dump_folder
 
 
-def train(config: JobConfig) -> TrainResult:
-    """Run the job `config` describes on this process (one rank of it under torchrun)."""
+def train(config: JobConfig, layout: Layout | None = None) -> TrainResult:
+    """Run the job `config` describes on this process (one rank of it under torchrun).
+    `layout`: what the pre-start checks resolved (`titan_trainer.preflight`), else resolved
+    here."""
     info = init_distributed(
         resolve_device_type(config.job.device),
         config.comm.init_timeout_seconds,
@@ -212,7 +175,7 @@ def train(config: JobConfig) -> TrainResult:
             os.makedirs(trace_folder(config.job.dump_folder), exist_ok=True)
         try:
             with rank_logging(config.logging, config.job.dump_folder, info.rank, info.world_size):
-                run = prepare(config, info)
+                run = prepare(config, info, layout)
                 if config.checkpoint.create_seed_checkpoint:
                     return write_seed_checkpoint(run)
                 return run_steps(run)
@@ -223,9 +186,11 @@ def train(config: JobConfig) -> TrainResult:
         destroy_distributed()
 
 
-def prepare(config: JobConfig, info: DistInfo) -> Run:
+def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> Run:
     """Every piece of the run, built in the recipe's order, with its weights in place."""
-    dims, dtype, seed = set_up_layout(config, info)
+    if layout is None or layout.world_size != info.world_size:
+        layout = Layout.resolve(config, info.world_size)
+    dims, dtype, seed = set_up_layout(config, info, layout)
     resolved_toml = write_resolved_config(config, info.rank)
     data = resolve(plugins.DATA, config.training.data_plugin)
     tokenizer = data.build_tokenizer(config.model.tokenizer_source()[0])
@@ -237,8 +202,11 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
             raise ConfigError(problem)
         runtime.document_start_id = tokenizer.bos_id
     converters = build_converters(config, dims)
-    parts = build_model(config, runtime, tokenizer.vocab_size, converters)
-    check_memory(config, parts, dims, tokenizer.vocab_size, info.device, runtime.dtype)
+    # The memory check measures activations on a copy of the model the checks read, before
+    # that model is converted and parallelized.
+    spare = layout.spare_model(tokenizer.vocab_size) if not dims.pp_enabled else None
+    parts = build_model(config, runtime, tokenizer.vocab_size, converters, layout=layout)
+    check_memory(config, parts, dims, tokenizer.vocab_size, info.device, runtime.dtype, spare)
     runtime.materialize(parts)
 
     loader = build_loader(config, data, tokenizer, dims)
@@ -276,13 +244,14 @@ def prepare(config: JobConfig, info: DistInfo) -> Run:
     return run
 
 
-def check_memory(config: JobConfig, parts, dims: ParallelDims, vocab_size: int, device, dtype):
+def check_memory(
+    config: JobConfig, parts, dims: ParallelDims, vocab_size: int, device, dtype, model=None
+):
     """Before anything is allocated: stop a job whose state and activations cannot fit in the
     memory this rank has free (on a CPU, with the other ranks on this host), warn when they
-    may not."""
-    need = memory_check.rank_need(
-        config, parts, dims, vocab_size, device, dtype, optimizer_state_copies(config.optimizer)
-    )
+    may not. `model`: a meta-device copy of the full model for the activations."""
+    copies = optimizer_state_copies(config.optimizer)
+    need = memory_check.rank_need(config, parts, dims, vocab_size, device, dtype, copies, model)
     problem, warning = memory_check.memory_problem(
         config, memory_check.host_needs(need, device), device
     )
@@ -292,9 +261,13 @@ def check_memory(config: JobConfig, parts, dims: ParallelDims, vocab_size: int, 
         log.warning(warning)
 
 
-def set_up_layout(config: JobConfig, info: DistInfo) -> tuple[ParallelDims, torch.dtype, int]:
-    """The device mesh, the seed every rank shares and the compute dtype; one log line."""
-    dims = parallel_dims_for(config, info.world_size)
+def set_up_layout(
+    config: JobConfig, info: DistInfo, layout: Layout | None = None
+) -> tuple[ParallelDims, torch.dtype, int]:
+    """The device mesh (on the dims of `layout`, resolved here when not given), the seed every
+    rank shares and the compute dtype; one log line."""
+    layout = layout or Layout.resolve(config, info.world_size)
+    dims = layout.dims
     mesh = dims.build_mesh(info.device.type)
     seed = config.training.seed if config.training.seed is not None else 0
     set_seed(seed, mesh, vary_over=(), deterministic=config.training.deterministic)
@@ -322,36 +295,6 @@ def write_resolved_config(config: JobConfig, rank: int) -> str:
     if config.job.print_config:
         log.info("resolved config:\n%s", resolved)
     return resolved
-
-
-def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
-    """One loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches.
-    Replica groups ([fault_tolerance]) each read their own share. The global batch (samples
-    per optimizer step over every data-parallel rank) fixes the data's global order, so a
-    job resumed on another data-parallel degree with the same global batch sees the same
-    samples."""
-    dp_rank, dp_world = data_coordinates(config, dims)
-    t = config.training
-    per_group = (
-        t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
-    )
-    kwargs = dict(
-        dataset=t.dataset,
-        dataset_path=t.dataset_path,
-        text_field=t.dataset_text_field,
-        tokenizer=tokenizer,
-        seq_len=t.seq_len,
-        batch_size=t.local_batch_size,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world,
-        bad_rows=t.bad_rows,
-        global_batch_size=per_group * (dp_world // dims.dp_degree),
-        num_workers=t.dataloader.num_workers,
-        prefetch_factor=t.dataloader.prefetch_factor,
-        pin_memory=t.dataloader.pin_memory,
-        seed=t.seed if t.seed is not None else 0,
-    )
-    return build_checked_loader(data, **plugin_kwargs(data.build_dataloader, kwargs, t.data_plugin))
 
 
 def build_checkpointer(
@@ -382,20 +325,9 @@ def build_checkpointer(
         dump_folder=config.job.dump_folder,
         dims=dims,
         config_toml=config_toml,
-        dp_rank=dp_coordinates(dims)[0],
+        dp_rank=dims.dp_coordinates()[0],
         hf_adapter=hf_adapter,
     )
-
-
-def hf_model_args(spec, config: JobConfig, vocab_size: int):
-    """The model's arguments as a Hugging Face `config.json` states them: the run's (padded)
-    vocabulary, and the flavor's own context length as `max_position_embeddings` rather than
-    the run's `training.seq_len` (the rotary table's length while training)."""
-    args = model_args_for(spec, config, vocab_size)
-    own = spec.flavors[config.model.flavor]
-    if hasattr(own, "max_seq_len"):
-        args = dataclasses.replace(args, max_seq_len=max(own.max_seq_len, args.max_seq_len))
-    return args
 
 
 def _pipeline_microbatches(runtime) -> int:
@@ -734,7 +666,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
 
 
 def build_validator(run: Run) -> Validator:
-    dp_rank, dp_world = dp_coordinates(run.dims)
+    dp_rank, dp_world = run.dims.dp_coordinates()
     return Validator(
         run.config.validation,
         run.data,
@@ -794,38 +726,3 @@ def window_metrics(window: _Window, loss, grad_norm, dims: ParallelDims) -> dict
 
 
 # ----------------------------------------------------------------------------- small helpers
-
-
-def layout_text(dims: ParallelDims) -> str:
-    """The layout in one phrase: `dp_shard 8 x tp 8`, `dp_shard 16 (ep 8)` (expert parallel
-    borrows its ranks from dp_shard x cp), or `single process`."""
-    parts = [
-        f"{name} {getattr(dims, name)}"
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-        if getattr(dims, name) > 1
-    ]
-    text = " x ".join(parts) or "single process"
-    return f"{text} (ep {dims.ep})" if dims.ep > 1 else text
-
-
-def dp_coordinates(dims: ParallelDims) -> tuple[int, int]:
-    """(this rank's data-parallel index, the data-parallel degree)."""
-    mesh = dims.mesh("dp")
-    return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
-
-
-def accumulation_steps(config: JobConfig, dims: ParallelDims) -> int:
-    """Microbatches per optimizer step that `training.global_batch_size` asks for."""
-    if config.training.global_batch_size == -1:
-        return 1
-    return config.training.global_batch_size // (config.training.local_batch_size * dims.dp_degree)
-
-
-def config_section(config: JobConfig, dotted: str):
-    """The config section named like a converter (`quantize.linear.float8`), or None."""
-    node: Any = config
-    for part in dotted.split("."):
-        node = getattr(node, part, None)
-        if node is None:
-            return None
-    return node

@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titan_core import get_logger
-from titan_trainer.guards import build_checked_loader
-from titan_trainer.loader_state import plugin_kwargs
+from titan_trainer.data import build_checked_loader, plugin_kwargs
 
 log = get_logger("validate")
 

@@ -30,10 +30,9 @@ def build_checkpointer(
     that key the data loader's state; `dp_rank` overrides the rank. Unknown keyword arguments are
     accepted and ignored so that a newer trainer can pass more than this version knows about.
     """
-    dp_world = dims.dp_degree if dims is not None else 1
+    own_rank, dp_world = dims.dp_coordinates() if dims is not None else (0, 1)
     if dp_rank is None:
-        mesh = dims.mesh("dp") if dims is not None and dp_world > 1 else None
-        dp_rank = mesh.get_local_rank() if mesh is not None else 0
+        dp_rank = own_rank
     folder = join(dump_folder, config.folder)  # an absolute path or a URL stays as it is
     return CheckpointManager(
         config,

@@ -145,6 +145,13 @@ class ParallelDims:
         """How many different batches are processed per step (the loader's world size)."""
         return self.dp_replicate * self.dp_shard
 
+    def dp_coordinates(self) -> tuple[int, int]:
+        """(this rank's index among the data-parallel ranks, their number): what keys a data
+        loader's share and its checkpointed state. (0, 1) without data parallelism; with it the
+        mesh must be built."""
+        mesh = self.mesh("dp") if self.dp_degree > 1 else None
+        return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+
     @property
     def seq_len_divisor(self) -> int:
         """seq_len must divide by this: TP's sequence parallel splits it by tp, and CP's

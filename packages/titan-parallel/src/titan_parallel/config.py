@@ -126,6 +126,32 @@ class Parallelism:
         """Whether the loss runs on vocabulary-sharded logits (TP on and not disabled)."""
         return self.tensor_parallel_degree > 1 and not self.disable_loss_parallel
 
+    def pipeline_options(self) -> dict:
+        """The pipeline keys as the keyword arguments `plan_pipeline` and `build_pipeline`
+        share (schedule, microbatch size, the split), so that a caller passes them whole."""
+        return {
+            "schedule": self.pipeline_parallel_schedule,
+            "microbatch_size": self.pipeline_parallel_microbatch_size,
+            "layers_per_stage": self.pipeline_parallel_layers_per_stage,
+            "first_stage_less_layers": self.pipeline_parallel_first_stage_less_layers,
+            "last_stage_less_layers": self.pipeline_parallel_last_stage_less_layers,
+            "split_points": self.module_fqns_per_model_part,
+            "csv_path": self.pipeline_parallel_schedule_csv or None,
+        }
+
+    def job_world_size(self) -> int | None:
+        """The processes these degrees describe, or None while data_parallel_shard_degree is
+        -1 (it takes what the job's world size leaves)."""
+        if self.data_parallel_shard_degree == -1:
+            return None
+        return (
+            self.data_parallel_replicate_degree
+            * self.data_parallel_shard_degree
+            * self.context_parallel_degree
+            * self.tensor_parallel_degree
+            * self.pipeline_parallel_degree
+        )
+
     def build_parallel_dims(self, world_size: int) -> ParallelDims:
         """The `ParallelDims` these degrees describe for a job of `world_size` processes
         (raises `ConfigError` when they do not fit)."""

@@ -20,9 +20,8 @@ import torch.multiprocessing as mp
 
 from titan_core import load_config
 from titan_parallel.memory_estimate import GiB
-from titan_trainer.checks import parallel_dims_for
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run import RoleResult, rank_roles, simulate_rank
+from titan_trainer.dry_run.simulate import RoleResult, rank_roles, simulate_rank
 
 # Qwen3's debug mixture-of-experts model instead of Llama 3's debug model.
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
@@ -171,7 +170,9 @@ def measure_real(
 ) -> dict[int, RoleResult]:
     """Every rank's measured step memory, from `world_size` real gloo processes (compiled
     regions compiled for real with `real_compile`, see `measure_rank`)."""
-    parallel_dims_for(config, world_size)  # a bad layout fails here, not in the workers
+    config.parallelism.build_parallel_dims(
+        world_size
+    )  # a bad layout fails here, not in the workers
     # glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap,
     # so the resident set would count memory no tensor holds; a fixed threshold returns large
     # blocks at once and makes the resident set a fair second measurement.
@@ -200,7 +201,7 @@ def _worker(
     rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp: str, real_compile: bool
 ) -> None:
     from titan_core import init_logging
-    from titan_trainer.dry_run import measure_rank
+    from titan_trainer.dry_run.simulate import measure_rank
 
     init_logging(rank=rank)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,9 +1,9 @@
-"""`titan-train --dry-run` (torchtitan's `--comm.mode fake_backend`): will this job start, fit
-and load its checkpoint? Answered on a laptop CPU in minutes, before a cluster is booked.
+"""One simulated rank of a job (`titan-train --dry-run`, torchtitan's `--comm.mode
+fake_backend`), and every distinct rank role of it.
 
 Each distinct rank role (every rank is alike without pipeline parallel; with it, the first and
-last pipeline ranks, or all of them) is simulated in this one process: a fake process group of
-the job's real world size, the model at its full size on fake tensors, the trainer's own
+last pipeline ranks, or all of them) is simulated in a process of its own: a fake process group
+of the job's real world size, the model at its full size on fake tensors, the trainer's own
 parallelize path (pipeline stages, TP, AC, FSDP, Float8, CP), its initialisation, optimizer and
 one training step, measured by PyTorch's memory trackers (see
 `titan_parallel.memory_estimate`). Compiled blocks and the compiled loss are traced and
@@ -11,8 +11,6 @@ partitioned as inductor does, their intermediates fused away as its kernels woul
 `titan_parallel.compiled_memory`); where CUDA's kernels keep less for backward than the CPU's,
 the step follows CUDA (`titan_parallel.cuda_kernels`). Nothing is allocated, nothing is
 downloaded.
-
-Exit status: 0 the job fits, 2 a config problem, 3 it does not fit.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ import copy
 import gc
 import logging
 import multiprocessing
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,14 +30,7 @@ import torch
 import torch.distributed as dist
 
 import titan_parallel
-from titan_core import (
-    ConfigError,
-    MemoryMonitor,
-    device_memory_gib,
-    plugins,
-    resolve,
-    supports_bf16,
-)
+from titan_core import MemoryMonitor, supports_bf16
 from titan_parallel.memory_estimate import (
     GiB,
     MemoryBreakdown,
@@ -51,13 +40,13 @@ from titan_parallel.memory_estimate import (
     fake_tensors,
     resident_bytes,
 )
-from titan_trainer.checks import model_args_for, parallel_dims_for, preflight_problems
 from titan_trainer.config import JobConfig
+from titan_trainer.layout import accumulation_steps, build_meta_model
+from titan_trainer.loss import cross_entropy_loss
+from titan_trainer.model import build_converters, build_model
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
 from titan_trainer.precision import target_compute_dtype
-
-EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
 
 @dataclass
@@ -91,27 +80,6 @@ class Simulation:
         return max(self.roles, key=lambda r: r.peak)
 
 
-# ----------------------------------------------------------------------------- world size
-
-
-def resolve_world_size(config: JobConfig) -> int | None:
-    """`dry_run.world_size`, else the product of the degrees when none is -1, else NGPU."""
-    if config.dry_run.world_size is not None:
-        return config.dry_run.world_size
-    p = config.parallelism
-    if p.data_parallel_shard_degree != -1:
-        return (
-            p.data_parallel_replicate_degree
-            * p.data_parallel_shard_degree
-            * p.context_parallel_degree
-            * p.tensor_parallel_degree
-            * p.pipeline_parallel_degree
-        )
-    if os.environ.get("NGPU", "").isdigit():
-        return int(os.environ["NGPU"])
-    return None
-
-
 # ----------------------------------------------------------------------------- one rank
 
 
@@ -130,7 +98,7 @@ def _simulation_config(config: JobConfig, *, real_compile: bool = False) -> JobC
 
 def rank_roles(config: JobConfig, world_size: int) -> list[tuple[str, int]]:
     """(description, global rank) of each rank to simulate."""
-    dims = parallel_dims_for(config, world_size)
+    dims = config.parallelism.build_parallel_dims(world_size)
     if not dims.pp_enabled:
         return [("every rank", 0)]
     per_stage = world_size // dims.pp  # pp is the outermost mesh dimension
@@ -198,14 +166,8 @@ def measure_rank(
         raise ValueError("CUDA kernels are emulated on fake tensors only")
     if real_compile and fake:
         raise ValueError("real compilation needs real tensors")
-    from titan_trainer.train import (
-        build_converters,
-        build_model,
-        cross_entropy_loss,
-    )
-
     config = _simulation_config(config, real_compile=real_compile)
-    dims = parallel_dims_for(config, world_size)
+    dims = config.parallelism.build_parallel_dims(world_size)
     dims.build_mesh("cpu")
     dtype = target_compute_dtype(config.training.mixed_precision_param)
     if not fake and dtype == torch.bfloat16 and not supports_bf16(torch.device("cpu")):
@@ -270,9 +232,7 @@ def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converter
     """What pipeline stages pass each other, from a one-block copy of the model (and the
     blocks it runs after its output, multi-token prediction's) with the same
     parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
-    spec = resolve(plugins.MODELS, config.model.name)
-    with torch.device("meta"):
-        probe = spec.build(model_args_for(spec, config, vocab_size))
+    probe = build_meta_model(config, vocab_size)
     for converter in converters:
         converter.convert(probe)
     for name in list(probe.layers)[1:]:
@@ -305,8 +265,6 @@ def _create_optimizer_state(parts, optimizer) -> None:
 
 
 def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> Callable[[], None]:
-    from titan_trainer.train import accumulation_steps
-
     t = config.training
     accum = accumulation_steps(config, runtime.dims)
     # Gradients are allocated by the first microbatch and kept: the second one shows the
@@ -346,168 +304,3 @@ def simulate(config: JobConfig, world_size: int, vocab_size: int) -> Simulation:
         for role, rank in rank_roles(config, world_size)
     ]
     return Simulation(config, world_size, vocab_size, roles, time.perf_counter() - start)
-
-
-def device_capacity_gib(config: JobConfig) -> tuple[float, str]:
-    d = config.dry_run
-    if d.device_memory_gib is not None:
-        return (
-            d.device_memory_gib,
-            f"{d.device_memory_gib:g} GiB devices (dry_run.device_memory_gib)",
-        )
-    gib = device_memory_gib(d.device)
-    if gib is None:
-        raise ConfigError(
-            f"[dry_run] device = {d.device!r} is not a device whose memory Titan knows\n"
-            "name one of H100, H200, A100, A100-40GB, B200, GB200, MI300X, ... "
-            "or set dry_run.device_memory_gib"
-        )
-    return gib, f"{d.device} ({gib:g} GiB)"
-
-
-def fits(sim: Simulation, capacity_gib: float, headroom_gib: float) -> bool:
-    return sim.worst.peak / GiB + headroom_gib <= capacity_gib
-
-
-def dry_run(config: JobConfig, out=print) -> int:
-    """Check, simulate and report; the exit status (see the module docstring)."""
-    world_size = resolve_world_size(config)
-    if world_size is None:
-        out(
-            ConfigError(
-                "the dry run needs the job's world size: data_parallel_shard_degree = -1 leaves it open\n"
-                "pass --dry_run.world_size N (or set NGPU)"
-            ).render()
-        )
-        return EXIT_CONFIG
-    try:
-        capacity, capacity_text = device_capacity_gib(config)
-    except ConfigError as e:
-        out(e.render())
-        return EXIT_CONFIG
-    problems, notes, vocab_size = preflight_problems(config, world_size, dry_run=True)
-    if problems:
-        out(ConfigError(problems).render())
-        return EXIT_CONFIG
-
-    out(_header(config, world_size, capacity_text))
-    try:
-        sim = simulate(config, world_size, vocab_size)
-    except ConfigError as e:  # found only once the model meets its layout: said as the others
-        out(e.render())
-        return EXIT_CONFIG
-    problems += _checkpoint_problems(config, sim, notes)
-    out(_table(sim))
-    headroom = config.dry_run.headroom_gib
-    ok = fits(sim, capacity, headroom)
-    worst = sim.worst.peak / GiB
-    if ok:
-        out(
-            f"verdict: fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank"
-            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
-        )
-    else:
-        out(
-            f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
-            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
-        )
-    for note in notes:
-        out(f"note: {note}")
-    out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
-    if problems:
-        out(ConfigError(problems).render())
-        return EXIT_CONFIG
-    if not ok:
-        if config.dry_run.suggest:
-            from titan_trainer.dry_run_suggest import suggest_changes
-
-            out("changes that make it fit (cheapest first), each simulated:")
-            suggest_changes(config, sim, capacity, headroom, out)
-        return EXIT_DOES_NOT_FIT
-    return EXIT_FITS
-
-
-def gib_text(value: float) -> str:
-    """A size in GiB with the digits it needs: never "0.0" for an amount that is not zero."""
-    digits = 1
-    while round(value, digits) == 0 and value != 0 and digits < 4:
-        digits += 1
-    return f"{value:.{digits}f}"
-
-
-def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
-    from titan_trainer.train import layout_text
-
-    dims = parallel_dims_for(config, world_size)
-    t = config.training
-    dtype = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
-    extra = [f"AC {config.activation_checkpoint.mode}"]
-    if config.model.converters:
-        extra.append(", ".join(config.model.converters))
-    if dims.pp_enabled:
-        extra.append(f"{config.parallelism.pipeline_parallel_schedule} schedule")
-    compiled = (
-        f"; compiled code as {config.compile.backend} runs it" if config.compile.enable else ""
-    )
-    return (
-        f"titan dry run: {config.model.name} {config.model.flavor} on {world_size} x {capacity_text}\n"
-        f"layout {layout_text(dims)} | seq {t.seq_len} | local batch {t.local_batch_size}"
-        f" | {dtype} | {' | '.join(extra)}\n"
-        f"simulated on fake tensors of the real size (no memory used){compiled}"
-    )
-
-
-def _table(sim: Simulation) -> str:
-    cols = ("parameters", "gradients", "optimizer", "activations", "temporaries", "communication")
-    head = (
-        f"{'rank role':<20}"
-        + "".join(f"{c[:11]:>12}" for c in cols)
-        + f"{'step peak':>12}{'init peak':>12}"
-    )
-    lines = [head + "   (GiB)"]
-    for r in sim.roles:
-        values = r.step.gib()
-        lines.append(
-            f"{r.role:<20}"
-            + "".join(f"{values[c]:>12.2f}" for c in cols)
-            + f"{r.step.total / GiB:>12.2f}{r.init_peak / GiB:>12.2f}"
-        )
-    return "\n".join(lines)
-
-
-def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -> list[str]:
-    """Whether the checkpoint this run would resume from loads into this layout."""
-    ckpt = config.checkpoint
-    if not ckpt.enable or ckpt.create_seed_checkpoint:
-        return []
-    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    check = getattr(factory, "check_loadable", None)
-    if check is None:
-        notes.append(f"checkpointer {ckpt.checkpointer!r} cannot check a checkpoint offline")
-        return []
-    expected: dict[str, tuple[int, ...]] = {}
-    for role in sim.roles:
-        expected.update(role.checkpoint_shapes)
-    problems, note = check(ckpt, config.job.dump_folder, expected)
-    notes.append(note)
-    return problems
-
-
-def main_dry_run(config: JobConfig) -> int:
-    status = dry_run(config, out=lambda text: print(text, flush=True))
-    sys.stdout.flush()
-    return status
-
-
-__all__ = [
-    "EXIT_CONFIG",
-    "EXIT_DOES_NOT_FIT",
-    "EXIT_FITS",
-    "RoleResult",
-    "Simulation",
-    "dry_run",
-    "rank_roles",
-    "resolve_world_size",
-    "simulate",
-    "simulate_rank",
-]

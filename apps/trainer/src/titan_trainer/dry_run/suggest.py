@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from titan_core import PluginError, plugins, resolve
 from titan_parallel.memory_estimate import GiB
-from titan_trainer.checks import parallel_dims_for, preflight_problems
 from titan_trainer.config import JobConfig
+from titan_trainer.preflight import preflight_problems
 
 FLOAT8 = "quantize.linear.float8"
 
@@ -54,7 +54,7 @@ def _half_batch(config: JobConfig, world: int):
     t = config.training
     if t.local_batch_size < 2 or t.local_batch_size % 2:
         return None
-    dims = parallel_dims_for(config, world)
+    dims = config.parallelism.build_parallel_dims(world)
     changed = copy.deepcopy(config)
     changed.training.local_batch_size = t.local_batch_size // 2
     if t.global_batch_size == -1:  # keep the step's batch: accumulate two microbatches
@@ -66,7 +66,7 @@ def _trade_shard_for(key: str) -> Callable:
     """Double tensor or context parallel, taking the ranks from FSDP (same world size)."""
 
     def apply(config: JobConfig, world: int):
-        dims = parallel_dims_for(config, world)
+        dims = config.parallelism.build_parallel_dims(world)
         if dims.dp_shard % 2:
             return None
         changed = copy.deepcopy(config)
@@ -87,14 +87,14 @@ def _more_expert_parallel(config: JobConfig, world: int):
         return None
     if getattr(args, "moe", None) is None:
         return None
-    dims = parallel_dims_for(config, world)
+    dims = config.parallelism.build_parallel_dims(world)
     changed = copy.deepcopy(config)
     changed.parallelism.expert_parallel_degree = dims.ep * 2
     return changed, world
 
 
 def _more_gpus(config: JobConfig, world: int):
-    dims = parallel_dims_for(config, world)
+    dims = config.parallelism.build_parallel_dims(world)
     changed = copy.deepcopy(config)
     changed.parallelism.data_parallel_shard_degree = dims.dp_shard * 2
     return changed, world * 2
@@ -116,7 +116,8 @@ CHANGES = [
 
 def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: float, out) -> None:
     """Simulate each applicable change on the fullest rank role and print one line each."""
-    from titan_trainer.dry_run import gib_text, simulate_rank
+    from titan_trainer.dry_run.report import gib_text
+    from titan_trainer.dry_run.simulate import simulate_rank
 
     worst = sim.worst
     pp_index = _pp_index(config, sim.world_size, worst.rank)
@@ -130,7 +131,7 @@ def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: f
         if problems:
             out(f"  - {change.label}: not possible here ({problems[0].splitlines()[0]})")
             continue
-        rank = pp_index * (world // parallel_dims_for(changed, world).pp)
+        rank = pp_index * (world // changed.parallelism.build_parallel_dims(world).pp)
         role = simulate_rank(changed, world, rank, sim.vocab_size, worst.role)
         peak = role.peak / GiB
         free = capacity_gib - peak - headroom_gib
@@ -142,5 +143,5 @@ def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: f
 
 
 def _pp_index(config: JobConfig, world: int, rank: int) -> int:
-    dims = parallel_dims_for(config, world)
+    dims = config.parallelism.build_parallel_dims(world)
     return rank // (world // dims.pp)

@@ -1,0 +1,182 @@
+"""The dry run's answer: the job's world size, the checks of `titan_trainer.preflight`, the
+simulation of each rank role (`titan_trainer.dry_run.simulate`), the table of memory per rank
+role, the fit verdict against the target device, whether the checkpoint it would resume from
+loads, and changes that make it fit when it does not (`titan_trainer.dry_run.suggest`).
+
+Exit status: 0 the job fits, 2 a config problem, 3 it does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from titan_core import ConfigError, device_memory_gib, plugins, resolve
+from titan_parallel.memory_estimate import GiB
+from titan_trainer.config import JobConfig
+from titan_trainer.dry_run.simulate import Simulation, simulate
+from titan_trainer.layout import layout_text
+from titan_trainer.preflight import preflight_problems
+
+EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
+
+
+def resolve_world_size(config: JobConfig) -> int | None:
+    """`dry_run.world_size`, else the product of the degrees when none is -1, else NGPU."""
+    if config.dry_run.world_size is not None:
+        return config.dry_run.world_size
+    world_size = config.parallelism.job_world_size()
+    if world_size is not None:
+        return world_size
+    if os.environ.get("NGPU", "").isdigit():
+        return int(os.environ["NGPU"])
+    return None
+
+
+def device_capacity_gib(config: JobConfig) -> tuple[float, str]:
+    d = config.dry_run
+    if d.device_memory_gib is not None:
+        return (
+            d.device_memory_gib,
+            f"{d.device_memory_gib:g} GiB devices (dry_run.device_memory_gib)",
+        )
+    gib = device_memory_gib(d.device)
+    if gib is None:
+        raise ConfigError(
+            f"[dry_run] device = {d.device!r} is not a device whose memory Titan knows\n"
+            "name one of H100, H200, A100, A100-40GB, B200, GB200, MI300X, ... "
+            "or set dry_run.device_memory_gib"
+        )
+    return gib, f"{d.device} ({gib:g} GiB)"
+
+
+def fits(sim: Simulation, capacity_gib: float, headroom_gib: float) -> bool:
+    return sim.worst.peak / GiB + headroom_gib <= capacity_gib
+
+
+def dry_run(config: JobConfig, out=print) -> int:
+    """Check, simulate and report; the exit status (see the module docstring)."""
+    world_size = resolve_world_size(config)
+    if world_size is None:
+        out(
+            ConfigError(
+                "the dry run needs the job's world size: data_parallel_shard_degree = -1 leaves it open\n"
+                "pass --dry_run.world_size N (or set NGPU)"
+            ).render()
+        )
+        return EXIT_CONFIG
+    try:
+        capacity, capacity_text = device_capacity_gib(config)
+    except ConfigError as e:
+        out(e.render())
+        return EXIT_CONFIG
+    problems, notes, vocab_size = preflight_problems(config, world_size, dry_run=True)
+    if problems:
+        out(ConfigError(problems).render())
+        return EXIT_CONFIG
+
+    out(_header(config, world_size, capacity_text))
+    try:
+        sim = simulate(config, world_size, vocab_size)
+    except ConfigError as e:  # found only once the model meets its layout: said as the others
+        out(e.render())
+        return EXIT_CONFIG
+    problems += _checkpoint_problems(config, sim, notes)
+    out(_table(sim))
+    headroom = config.dry_run.headroom_gib
+    ok = fits(sim, capacity, headroom)
+    worst = sim.worst.peak / GiB
+    if ok:
+        out(
+            f"verdict: fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank"
+            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
+        )
+    else:
+        out(
+            f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
+            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
+        )
+    for note in notes:
+        out(f"note: {note}")
+    out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
+    if problems:
+        out(ConfigError(problems).render())
+        return EXIT_CONFIG
+    if not ok:
+        if config.dry_run.suggest:
+            from titan_trainer.dry_run.suggest import suggest_changes
+
+            out("changes that make it fit (cheapest first), each simulated:")
+            suggest_changes(config, sim, capacity, headroom, out)
+        return EXIT_DOES_NOT_FIT
+    return EXIT_FITS
+
+
+def gib_text(value: float) -> str:
+    """A size in GiB with the digits it needs: never "0.0" for an amount that is not zero."""
+    digits = 1
+    while round(value, digits) == 0 and value != 0 and digits < 4:
+        digits += 1
+    return f"{value:.{digits}f}"
+
+
+def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
+    dims = config.parallelism.build_parallel_dims(world_size)
+    t = config.training
+    dtype = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
+    extra = [f"AC {config.activation_checkpoint.mode}"]
+    if config.model.converters:
+        extra.append(", ".join(config.model.converters))
+    if dims.pp_enabled:
+        extra.append(f"{config.parallelism.pipeline_parallel_schedule} schedule")
+    compiled = (
+        f"; compiled code as {config.compile.backend} runs it" if config.compile.enable else ""
+    )
+    return (
+        f"titan dry run: {config.model.name} {config.model.flavor} on {world_size} x {capacity_text}\n"
+        f"layout {layout_text(dims)} | seq {t.seq_len} | local batch {t.local_batch_size}"
+        f" | {dtype} | {' | '.join(extra)}\n"
+        f"simulated on fake tensors of the real size (no memory used){compiled}"
+    )
+
+
+def _table(sim: Simulation) -> str:
+    cols = ("parameters", "gradients", "optimizer", "activations", "temporaries", "communication")
+    head = (
+        f"{'rank role':<20}"
+        + "".join(f"{c[:11]:>12}" for c in cols)
+        + f"{'step peak':>12}{'init peak':>12}"
+    )
+    lines = [head + "   (GiB)"]
+    for r in sim.roles:
+        values = r.step.gib()
+        lines.append(
+            f"{r.role:<20}"
+            + "".join(f"{values[c]:>12.2f}" for c in cols)
+            + f"{r.step.total / GiB:>12.2f}{r.init_peak / GiB:>12.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -> list[str]:
+    """Whether the checkpoint this run would resume from loads into this layout."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return []
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
+    check = getattr(factory, "check_loadable", None)
+    if check is None:
+        notes.append(f"checkpointer {ckpt.checkpointer!r} cannot check a checkpoint offline")
+        return []
+    expected: dict[str, tuple[int, ...]] = {}
+    for role in sim.roles:
+        expected.update(role.checkpoint_shapes)
+    problems, note = check(ckpt, config.job.dump_folder, expected)
+    notes.append(note)
+    return problems
+
+
+def main_dry_run(config: JobConfig) -> int:
+    status = dry_run(config, out=lambda text: print(text, flush=True))
+    sys.stdout.flush()
+    return status

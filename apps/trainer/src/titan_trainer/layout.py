@@ -1,0 +1,89 @@
+"""The job's layout, resolved once: the pre-start checks (`titan_trainer.checks`) build a
+`Layout` (the `ParallelDims` of the job's world size, and the full model on the meta device,
+which the checks read) and hand it to the run, which builds its mesh on those dims and
+converts and parallelizes that model (`titan_trainer.model.build_model`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from titan_core import ParallelDims, plugins, resolve
+from titan_trainer.config import JobConfig
+from titan_trainer.model import model_args_for
+
+
+def build_meta_model(config: JobConfig, vocab_size: int) -> nn.Module:
+    """The full model with the run's arguments (`model_args_for`) on the meta device."""
+    spec = resolve(plugins.MODELS, config.model.name)
+    with torch.device("meta"):
+        return spec.build(model_args_for(spec, config, vocab_size))
+
+
+@dataclass
+class Layout:
+    """What the pre-start checks resolve once and the run is built from."""
+
+    config: JobConfig
+    dims: ParallelDims
+    vocab_size: int | None = None
+    """The tokenizer's vocabulary once the checks have loaded it (None before)."""
+    _models: dict[int, nn.Module] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def resolve(cls, config: JobConfig, world_size: int) -> Layout:
+        """The layout `[parallelism]` describes for a job of `world_size` processes (raises
+        ConfigError when the degrees do not fit it)."""
+        return cls(config, config.parallelism.build_parallel_dims(world_size))
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    def meta_model(self, vocab_size: int | None = None) -> nn.Module:
+        """The full model on the meta device for `vocab_size` (default: the tokenizer's, else
+        the flavor's own), built on first use; checks only read it."""
+        vocab = self._vocab(vocab_size)
+        if vocab not in self._models:
+            self._models[vocab] = build_meta_model(self.config, vocab)
+        return self._models[vocab]
+
+    def spare_model(self, vocab_size: int | None = None) -> nn.Module:
+        """A copy of `meta_model` that its user may change (no storage: it is on meta)."""
+        return copy.deepcopy(self.meta_model(vocab_size))
+
+    def take_model(self, vocab_size: int) -> nn.Module:
+        """The model for the run to convert and parallelize in place: the one the checks read,
+        which the layout then no longer holds."""
+        model = self._models.pop(vocab_size, None)
+        return model if model is not None else build_meta_model(self.config, vocab_size)
+
+    def _vocab(self, vocab_size: int | None) -> int:
+        if vocab_size is not None:
+            return vocab_size
+        if self.vocab_size is not None:
+            return self.vocab_size
+        spec = resolve(plugins.MODELS, self.config.model.name)
+        return getattr(spec.flavors[self.config.model.flavor], "vocab_size", 0)
+
+
+def layout_text(dims: ParallelDims) -> str:
+    """The layout in one phrase: `dp_shard 8 x tp 8`, `dp_shard 16 (ep 8)` (expert parallel
+    borrows its ranks from dp_shard x cp), or `single process`."""
+    parts = [
+        f"{name} {getattr(dims, name)}"
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        if getattr(dims, name) > 1
+    ]
+    text = " x ".join(parts) or "single process"
+    return f"{text} (ep {dims.ep})" if dims.ep > 1 else text
+
+
+def accumulation_steps(config: JobConfig, dims: ParallelDims) -> int:
+    """Microbatches per optimizer step that `training.global_batch_size` asks for."""
+    if config.training.global_batch_size == -1:
+        return 1
+    return config.training.global_batch_size // (config.training.local_batch_size * dims.dp_degree)
