@@ -24,9 +24,9 @@ def _plugin_problem(group: str, key: str, name: str) -> str | None:
     return None
 
 
-def check_config(config: JobConfig, world_size: int, vocab_size: int | None = None) -> Layout:
-    """Raise ConfigError listing every problem of `config` for a job of `world_size` processes;
-    else the job's `Layout` (`vocab_size`: the tokenizer's, when the caller has loaded it)."""
+def _plugin_problems(config: JobConfig, world_size: int) -> list[str]:
+    """Every plugin the config names is installed (model and flavor, optimizer, converters,
+    data, checkpointer), and a seed checkpoint is made by one process."""
     problems: list[str] = []
     model_problem = _plugin_problem(plugins.MODELS, "[model] name", config.model.name)
     if model_problem:
@@ -66,7 +66,14 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
             f"[checkpoint] create_seed_checkpoint needs exactly 1 process, but the job has {world_size}\n"
             "run it without torchrun (or with --nproc_per_node 1)"
         )
+    return problems
 
+
+def check_config(config: JobConfig, world_size: int, vocab_size: int | None = None) -> Layout:
+    """Raise ConfigError listing every problem of `config` for a job of `world_size` processes;
+    else the job's `Layout` (`vocab_size`: the tokenizer's, when the caller has loaded it)."""
+    problems = _plugin_problems(config, world_size)
+    model_found = _plugin_problem(plugins.MODELS, "[model] name", config.model.name) is None
     try:
         layout = Layout.resolve(config, world_size)
     except ConfigError as e:
@@ -77,10 +84,29 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
     problems += _expert_problems(config, layout)
     problems += _balance_problems(config)
     problems += _tensor_parallel_problems(config, layout)
-    if not model_problem:
+    if model_found:
+        spec = resolve(plugins.MODELS, config.model.name)
         problems += _loss_chunk_problems(config, dims, spec)
+    problems += _batch_and_length_problems(config, dims)
+    problems += config.fault_tolerance.validate()
+    if config.model.attn_mask_type == "block_causal" and dims.cp > 1:
+        problems.append(
+            f"[model] attn_mask_type = 'block_causal' does not work with context parallel"
+            f" (context_parallel_degree = {dims.cp}): torch's context-parallel attention takes"
+            " no mask, so documents would see each other across the shards\nuse"
+            " attn_mask_type = 'causal' with context parallel, or context_parallel_degree = 1"
+        )
+    if config.validation.enable and dims.pp_enabled:
+        problems += _pipeline_validation_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    return layout
+
+
+def _batch_and_length_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+    """Sequence lengths the layout can split, and a global batch accumulation can reach."""
     t = config.training
-    problems += _seq_len_problems("training", t.seq_len, dims)
+    problems = _seq_len_problems("training", t.seq_len, dims)
     per_step = t.local_batch_size * dims.dp_degree
     if t.global_batch_size != -1 and t.global_batch_size % per_step:
         problems.append(
@@ -98,19 +124,7 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
                 f"{'; context parallel shards it with the batch' if dims.cp > 1 else ''})\n"
                 "use -1 to validate at the training sequence length"
             )
-    problems += config.fault_tolerance.validate()
-    if config.model.attn_mask_type == "block_causal" and dims.cp > 1:
-        problems.append(
-            f"[model] attn_mask_type = 'block_causal' does not work with context parallel"
-            f" (context_parallel_degree = {dims.cp}): torch's context-parallel attention takes"
-            " no mask, so documents would see each other across the shards\nuse"
-            " attn_mask_type = 'causal' with context parallel, or context_parallel_degree = 1"
-        )
-    if config.validation.enable and dims.pp_enabled:
-        problems += _pipeline_validation_problems(config)
-    if problems:
-        raise ConfigError(problems)
-    return layout
+    return problems
 
 
 def _pipeline_validation_problems(config: JobConfig) -> list[str]:

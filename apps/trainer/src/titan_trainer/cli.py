@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         load_config,
         plugins,
         render_help,
-        world_size_from_env,
     )
     from titan_trainer.config import JobConfig
 
@@ -87,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     init_logging()
-    from titan_trainer.preflight import preflight
-
     try:
         config = load_config(JobConfig, args, find_config_file=find_config_file)
     except ConfigError as e:
@@ -98,7 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         from titan_trainer.dry_run import main_dry_run
 
         return main_dry_run(config)
+    return _check_and_train(config, check_only)
+
+
+def _check_and_train(config, check_only: bool) -> int:
+    """The pre-start checks, then (unless `--check`) the run, handed the layout they resolved."""
+    from titan_core import ConfigError, get_logger, world_size_from_env
     from titan_trainer.logs import choose_console_ranks
+    from titan_trainer.preflight import preflight
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
     checked = preflight(
@@ -107,19 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     if checked.problems:
         print(ConfigError(checked.problems), file=sys.stderr)
         return 2
-    from titan_core import CheckpointError, RunFolderError, get_logger
-    from titan_trainer.comm import CollectiveError
-    from titan_trainer.guards import NonFiniteStepError, StartupError
-
     said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
     for note in checked.notes:
         get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
     if check_only:
         return 0
+    return _train(config, checked.layout)
+
+
+def _train(config, layout) -> int:
+    """Train; the exit status (see "Exit status" in the trainer README)."""
+    from titan_core import CheckpointError, ConfigError, RunFolderError
+    from titan_trainer.comm import CollectiveError
+    from titan_trainer.guards import NonFiniteStepError, StartupError
+    from titan_trainer.tools import error_text
     from titan_trainer.train import train
 
     try:
-        result = train(config, checked.layout)  # its dims and meta model, resolved once
+        result = train(config, layout)  # its dims and meta model, resolved once
     except KeyboardInterrupt:  # Ctrl-C before the first step (the steps catch their own)
         print("titan: stopped by Ctrl-C before training started", file=sys.stderr)
         return STOPPED_BY_SIGINT
@@ -135,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:
         # Problems with the run's data, folders, numbers, peers or checkpoints (none usable, a
         # full disk): the message says what to do.
-        first, *rest = str(e).split("\n")
-        print(
-            "\n".join(["titan: error: " + first, *("       " + line for line in rest)]),
-            file=sys.stderr,
-        )
+        print(error_text("titan", e), file=sys.stderr)
         return ERROR
     return {"SIGTERM": STOPPED_BY_SIGTERM, "SIGINT": STOPPED_BY_SIGINT}.get(
         result.stopped_by, FINISHED

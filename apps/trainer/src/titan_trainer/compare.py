@@ -29,6 +29,7 @@ from titan_trainer.plots import (
     runs_under,
     write_comparison_plot,
 )
+from titan_trainer.tools import run_tool, tool_parser
 
 
 class CompareError(Exception):
@@ -152,11 +153,7 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="titan-compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("titan-compare", __doc__)
     parser.add_argument(
         "runs", nargs="+", help="run folders (job.dump_folder); the first is the reference"
     )
@@ -192,15 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args.runs) < 2:
         print("titan-compare: error: give two or more run folders", file=sys.stderr)
         return 2
-    try:
-        return compare(args)
-    except (CompareError, FileNotFoundError) as e:
-        first, *rest = str(e).split("\n")
-        print(
-            "\n".join(["titan-compare: error: " + first, *("       " + r for r in rest)]),
-            file=sys.stderr,
-        )
-        return 2
+    return run_tool("titan-compare", compare, args, (CompareError, FileNotFoundError), 2)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from titan_trainer.tools import run_tool, tool_parser
+
 ASSETS = {
     "tokenizer": [
         "tokenizer.model",
@@ -169,11 +171,7 @@ def download(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="titan-download",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("titan-download", __doc__)
     parser.add_argument("repo_id", help="a Hugging Face model repo, e.g. meta-llama/Llama-3.1-8B")
     parser.add_argument(
         "--assets",
@@ -194,15 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        return download(a)
-    except DownloadError as e:
-        first, *rest = str(e).split("\n")
-        print(
-            "\n".join(["titan-download: error: " + first, *("       " + r for r in rest)]),
-            file=sys.stderr,
-        )
-        return 1
+    return run_tool("titan-download", download, a, (DownloadError,), 1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from titan_trainer.tools import run_tool, tool_parser
+
 STRUCTURE = (
     "hidden_size",
     "intermediate_size",
@@ -242,11 +244,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="titan-generate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = tool_parser("titan-generate", __doc__)
     parser.add_argument(
         "source",
         help="a DCP checkpoint, checkpoint folder or dump folder; or a Hugging Face folder",
@@ -308,15 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "titan-generate: error: --max-new-tokens and --samples take 1 or more", file=sys.stderr
         )
         return 2
-    try:
-        return run(a)
-    except (GenerateError, FileNotFoundError, ValueError, tomllib.TOMLDecodeError) as e:
-        first, *rest = str(e).split("\n")
-        print(
-            "\n".join(["titan-generate: error: " + first, *("       " + r for r in rest)]),
-            file=sys.stderr,
-        )
-        return 2
+    errors = (GenerateError, FileNotFoundError, ValueError, tomllib.TOMLDecodeError)
+    return run_tool("titan-generate", run, a, errors, 2)
 
 
 if __name__ == "__main__":
