@@ -169,7 +169,7 @@ def _expert_problems(config: JobConfig, layout: Layout) -> list[str]:
     model = layout.meta_model()
     problems = titan_parallel.expert_parallel_problems(model, ep=dims.ep, tp=dims.tp)
     if dims.tp > 1 and titan_parallel.moe_layers(model):
-        problems += config.parallelism.expert_tp_problems()
+        problems += config.parallelism.expert_tp_problems(dims.tp)
     return problems
 
 

@@ -108,10 +108,12 @@ class Parallelism:
             problems += check_cp_support()
         return problems
 
-    def expert_tp_problems(self) -> list[str]:
-        """For a model with experts: `expert_tensor_parallel_degree` must follow
-        tensor_parallel_degree (a dense model ignores it, as torchtitan does)."""
-        etp, tp = self.expert_tensor_parallel_degree, self.tensor_parallel_degree
+    def expert_tp_problems(self, tp: int | None = None) -> list[str]:
+        """For a model with experts: `expert_tensor_parallel_degree` must follow the
+        tensor-parallel degree (a dense model ignores it, as torchtitan does). `tp`: the degree
+        in force (a `ParallelDims`' tp), default this section's."""
+        etp = self.expert_tensor_parallel_degree
+        tp = self.tensor_parallel_degree if tp is None else tp
         if etp in (-1, tp):
             return []
         return [

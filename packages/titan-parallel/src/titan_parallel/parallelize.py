@@ -47,8 +47,8 @@ def parallelize(
     is usually on the meta device; afterwards call `model.to_empty(device=...)` and initialise
     it (`init_weights_exact`, or `model.init_weights()`). `dims` must have its mesh built
     (`dims.build_mesh(device_type)`). `plan` defaults to `model.tp_plan()` when TP is on.
-    `parallelism` supplies the switches (sequence/loss/async TP, FSDP resharding); its degrees
-    are not read, `dims` is. Invalid combinations raise `ConfigError` before anything changes.
+    `parallelism` supplies only the switches (sequence/loss/async TP, FSDP resharding, the
+    expert TP setting); its degrees are never read: every degree comes from `dims`. Invalid combinations raise `ConfigError` before anything changes.
     A parameter several modules hold (tied embeddings) stays one parameter: under FSDP its
     modules share one FSDP group, under TP the plan must split it alike in each of them, and
     `model.to_empty()` / `.to()` keep it tied (plain PyTorch unties it there).
@@ -62,7 +62,7 @@ def parallelize(
         parallelism, ac, compile, device_type=device_type, cpu_offload=cpu_offload, dims=dims
     )
     if dims.tp_enabled and moe_layers(model):
-        problems += parallelism.expert_tp_problems()
+        problems += parallelism.expert_tp_problems(dims.tp)
         problems += tp_plan_overlaps(model, plan if plan is not None else model.tp_plan())
     if problems:
         raise ConfigError(problems)
@@ -74,7 +74,7 @@ def parallelize(
             dims.mesh("tp"),
             plan,
             sequence_parallel=parallelism.enable_sequence_parallel,
-            loss_parallel=parallelism.loss_parallel_enabled,
+            loss_parallel=not parallelism.disable_loss_parallel,
             async_tp=parallelism.enable_async_tensor_parallel,
         )
     apply_ep(
