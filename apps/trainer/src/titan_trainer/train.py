@@ -32,6 +32,7 @@ from titan_core import (
     ParallelDims,
     build_hf_adapter,
     config_to_dict,
+    dp_coordinates,
     get_logger,
     init_distributed,
     peak_flops,
@@ -325,7 +326,7 @@ def build_checkpointer(
         dump_folder=config.job.dump_folder,
         dims=dims,
         config_toml=config_toml,
-        dp_rank=dims.dp_coordinates()[0],
+        dp_rank=dp_coordinates(dims)[0],
         hf_adapter=hf_adapter,
     )
 
@@ -666,7 +667,7 @@ def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
 
 
 def build_validator(run: Run) -> Validator:
-    dp_rank, dp_world = run.dims.dp_coordinates()
+    dp_rank, dp_world = dp_coordinates(run.dims)
     return Validator(
         run.config.validation,
         run.data,

@@ -9,6 +9,7 @@ from titan_ckpt.config import Checkpoint
 from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.preflight import check_loadable, check_space
 from titan_ckpt.storage import join
+from titan_core import dp_coordinates
 from titan_core.protocols import Checkpointer, HFAdapter
 
 
@@ -30,9 +31,9 @@ def build_checkpointer(
     that key the data loader's state; `dp_rank` overrides the rank. Unknown keyword arguments are
     accepted and ignored so that a newer trainer can pass more than this version knows about.
     """
-    own_rank, dp_world = dims.dp_coordinates() if dims is not None else (0, 1)
+    dp_world = dims.dp_degree if dims is not None else 1
     if dp_rank is None:
-        dp_rank = own_rank
+        dp_rank = dp_coordinates(dims)[0] if dp_world > 1 else 0
     folder = join(dump_folder, config.folder)  # an absolute path or a URL stays as it is
     return CheckpointManager(
         config,

@@ -46,7 +46,7 @@ from titan_core.flops import (
 from titan_core.init import ParamInit, init_from_plan_, init_parameter_
 from titan_core.log import get_logger, init_logging
 from titan_core.memory import MemoryMonitor, MemoryStats
-from titan_core.parallel_dims import ParallelDims
+from titan_core.parallel_dims import ParallelDims, dp_coordinates
 from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
     GLOBAL_STATE,
@@ -107,6 +107,7 @@ __all__ = [
     "MoEPlan",
     "ExpertSplit",
     "ParallelDims",
+    "dp_coordinates",
     "ParallelizableModel",
     "PeakFlops",
     "PluginError",

@@ -145,13 +145,6 @@ class ParallelDims:
         """How many different batches are processed per step (the loader's world size)."""
         return self.dp_replicate * self.dp_shard
 
-    def dp_coordinates(self) -> tuple[int, int]:
-        """(this rank's index among the data-parallel ranks, their number): what keys a data
-        loader's share and its checkpointed state. (0, 1) without data parallelism; with it the
-        mesh must be built."""
-        mesh = self.mesh("dp") if self.dp_degree > 1 else None
-        return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
-
     @property
     def seq_len_divisor(self) -> int:
         """seq_len must divide by this: TP's sequence parallel splits it by tp, and CP's
@@ -251,3 +244,11 @@ class ParallelDims:
         if not self.dp_replicate_enabled:
             return split["ep_shard"]
         return DeviceMesh._concatenate([self.world_mesh["dp_replicate"], split["ep_shard"]])
+
+
+def dp_coordinates(dims: ParallelDims) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number), read from the built
+    `dims.mesh("dp")`: what keys a data loader's share and its checkpointed state. (0, 1)
+    without data parallelism. The one place a Titan package reads them."""
+    mesh = dims.mesh("dp")
+    return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titan_core import ParallelDims
+from titan_core import ParallelDims, dp_coordinates
 from titan_trainer.data.state import plugin_kwargs
 from titan_trainer.guards import StartupError
 
@@ -15,7 +15,7 @@ def data_coordinates(config, dims: ParallelDims) -> tuple[int, int]:
     """(this rank's index among every data-parallel rank of the job, their number): the replica
     groups ([fault_tolerance]) split the data between them, each group's data-parallel ranks
     split its share."""
-    dp_rank, dp_world = dims.dp_coordinates()
+    dp_rank, dp_world = dp_coordinates(dims)
     ft = config.fault_tolerance
     if not ft.enable:
         return dp_rank, dp_world
