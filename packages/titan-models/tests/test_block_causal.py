@@ -150,8 +150,9 @@ def _causal_only(b, h, q, kv):
 )
 @pytest.mark.parametrize("impl", ["flex", "varlen"])
 def test_each_cuda_implementation_matches_the_dense_mask_in_float32_and_bfloat16(impl):
-    # Compiled FlexAttention / torch's varlen flash attention against SDPA with the dense mask
-    # on the GPU, forward and backward (CHECK_TOLERANCE: TF32 and bf16 rounding).
+    # Compiled FlexAttention / torch's varlen flash attention (bf16; float32 runs SDPA per
+    # document) against SDPA with the dense mask on the GPU, forward and backward
+    # (CHECK_TOLERANCE: TF32 and bf16 rounding).
     assert check_block_causal(torch.device("cuda"), impl) == []
 
 
@@ -290,3 +291,31 @@ def test_a_model_gives_the_same_logits_and_gradients_with_each_implementation():
     torch.testing.assert_close(varlen_logits, dense_logits, atol=1e-5, rtol=1e-5)
     for n, grad in dense_grads.items():
         torch.testing.assert_close(varlen_grads[n], grad, atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: compiled FlexAttention (Triton) and varlen flash attention run on a GPU only",
+)
+@pytest.mark.parametrize("impl", ["flex", "varlen"])
+def test_each_cuda_kernel_matches_the_dense_mask_on_tricky_packings_in_bfloat16(impl):
+    """The kernels themselves (varlen's flash kernel takes bf16 only) on the tricky packings,
+    forward and backward, against the float32 dense mask on the same GPU."""
+    g = torch.Generator().manual_seed(0)
+    for name, rows in TRICKY_PACKINGS.items():
+        ids = _ids(rows).cuda()
+        batch, seq = ids.shape
+        q, weights = (torch.randn(batch, 4, seq, 16, generator=g).cuda() for _ in "qw")
+        k, v = (torch.randn(batch, 2, seq, 16, generator=g).cuda() for _ in "kv")
+        want = _attention_and_grads(ids, "dense", (q, k, v), weights)
+        low = [t.bfloat16() for t in (q, k, v)]
+        got = _attention_and_grads(ids, impl, low, weights)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            # bf16: 8 mantissa bits, a few roundings deep (CHECK_TOLERANCE's reason).
+            error = (a.float() - b).abs().max().item()
+            assert error <= CHECK_TOLERANCE[torch.bfloat16] * b.abs().max().item(), (
+                name,
+                what,
+                error,
+            )

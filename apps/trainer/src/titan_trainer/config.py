@@ -65,7 +65,8 @@ class Model:
     memory); `flex`: FlexAttention with a BlockMask from the document boundaries, compiled
     kernels on CUDA (on the CPU it has no backward, so training refuses it); `varlen`: the
     documents cut out of the flattened batch by their offsets (cu_seqlens), torch's
-    variable-length flash attention on CUDA (torch 2.10+), SDPA per document elsewhere;
+    variable-length flash attention on CUDA (torch 2.10+; bf16/fp16), SDPA per document
+    elsewhere and in float32;
     `auto`: flex on CUDA, dense elsewhere. The model must have a `block_causal_impl`
     attribute (titan-models' do) for any but auto. Checked against the dense mask on the
     job's device before training."""

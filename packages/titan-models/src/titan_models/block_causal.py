@@ -23,8 +23,9 @@ and each attention layer calls `attend_block_causal(q, k, v, mask)`. `impl` pick
   `cu_seqlens` (the offsets where each document starts, int32, then the total) and
   `max_seqlen` (the longest): on CUDA torch's variable-length flash attention
   (`torch.nn.attention.varlen.varlen_attn`, torch 2.10+; no mask at all, no padding); on
-  other devices a reference that runs causal SDPA on each document segment from the same
-  `cu_seqlens`, so that the bookkeeping is tested where there is no GPU.
+  other devices (and for float32, which flash attention does not take) a reference that
+  runs causal SDPA on each document segment from the same `cu_seqlens`, so that the
+  bookkeeping is tested where there is no GPU.
 - `auto` (default): `flex` on CUDA, `dense` elsewhere.
 
 Every mask has no head dimension, so tensor parallel (heads split over ranks) needs nothing
@@ -42,7 +43,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from titan_core.compat import accepts
+from titan_core.compat import accepts, note_missing
 
 BlockCausalImpl = Literal["auto", "dense", "flex", "varlen"]
 BLOCK_CAUSAL_IMPLS: tuple[str, ...] = ("auto", "dense", "flex", "varlen")
@@ -173,12 +174,16 @@ def attend_block_causal(
     if mask.cu_seqlens is not None:
         batch, heads, seq, head_dim = q.shape
         flat = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (q, k, v)]
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and q.dtype in _FLASH_DTYPES:
             out = _varlen_cuda(*flat, mask.cu_seqlens, mask.max_seqlen)
         else:
             out = _varlen_by_segment(*flat, mask.cu_seqlens)
-        return out.view(batch, seq, heads, head_dim).transpose(1, 2)
+        return out.reshape(batch, seq, heads, head_dim).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
+
+
+# The dtypes torch's flash-attention kernels (varlen's) take; float32 takes the SDPA path.
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _varlen_cuda(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -204,8 +209,15 @@ def _varlen_cuda(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Te
 
 @torch.compiler.disable  # a loop over this batch's documents: one graph per batch otherwise
 def _varlen_by_segment(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The variable-length path on devices without a varlen kernel: causal SDPA on each
-    document segment `cu_seqlens` cuts from the flattened `[tokens, heads, head_dim]`."""
+    """The variable-length path on devices without a varlen kernel (and in float32 on CUDA):
+    causal SDPA on each document segment `cu_seqlens` cuts from the flattened
+    `[tokens, heads, head_dim]`."""
+    if q.device.type == "cuda":
+        note_missing(
+            f"{q.dtype} variable-length flash attention",
+            "varlen attention in this dtype runs SDPA per document (flash attention takes"
+            " bfloat16 and float16 only)",
+        )
     lengths = cu_seqlens.diff().tolist()
     gqa = k.shape[1] != q.shape[1]
     pieces = []
