@@ -152,13 +152,21 @@ def _flex_attention(device_type: str):
     return torch.compile(flex_attention, dynamic=False)
 
 
+try:  # torch 2.10+
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:
+    _varlen_attn = None
+# Its keywords changed between releases (looked up once here, not in every traced forward):
+# 2.10 takes `is_causal`, later ones `window_size=(-1, 0)`; `enable_gqa` came later still.
+_VARLEN_CAUSAL = (
+    {"window_size": (-1, 0)} if accepts(_varlen_attn, "window_size") else {"is_causal": True}
+)
+_VARLEN_GQA = accepts(_varlen_attn, "enable_gqa")
+
+
 def varlen_attention_available() -> bool:
     """Whether this torch has `torch.nn.attention.varlen.varlen_attn` (torch 2.10+)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return _varlen_attn is not None
 
 
 def attend_block_causal(
@@ -188,23 +196,16 @@ _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 def _varlen_cuda(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """torch's variable-length flash attention on `[tokens, heads, head_dim]`, causal within
-    each document. Its keywords changed between releases: 2.10 takes `is_causal`, later ones
-    `window_size=(-1, 0)`; GQA (`enable_gqa`) came later still, so without it the kv heads
-    are repeated (the same result, more memory)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    kwargs = {}
-    if accepts(varlen_attn, "window_size"):
-        kwargs["window_size"] = (-1, 0)
-    else:
-        kwargs["is_causal"] = True
+    each document; without `enable_gqa` the kv heads are repeated (the same result, more
+    memory)."""
+    kwargs = dict(_VARLEN_CAUSAL)
     if k.shape[1] != q.shape[1]:
-        if accepts(varlen_attn, "enable_gqa"):
+        if _VARLEN_GQA:
             kwargs["enable_gqa"] = True
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 @torch.compiler.disable  # a loop over this batch's documents: one graph per batch otherwise
