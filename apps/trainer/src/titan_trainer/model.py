@@ -105,6 +105,9 @@ def build_model(
         from titan_trainer.layout import build_meta_model
 
         model = build_meta_model(config, vocab_size)
+    # The checks refused a block_causal_impl other than auto for a model without the attribute.
+    if config.model.attn_mask_type == "block_causal" and hasattr(model, "block_causal_impl"):
+        model.block_causal_impl = config.model.block_causal_impl
     for converter in converters:
         converter.convert(model)
     if config.model.print_after_conversion:

@@ -125,17 +125,26 @@ def _param_group_problems(config: JobConfig, layout: Layout) -> list[str]:
 
 
 def _attention_problems(config: JobConfig, layout: Layout) -> list[str]:
-    """block_causal needs a model whose forward takes `document_ids`."""
+    """block_causal needs a model whose forward takes `document_ids`, and a chosen
+    `block_causal_impl` a model that has the attribute."""
     if config.model.attn_mask_type != "block_causal":
         return []
     model = layout.meta_model()
-    if "document_ids" in inspect.signature(model.forward).parameters:
+    if "document_ids" not in inspect.signature(model.forward).parameters:
+        return [
+            f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
+            f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
+            " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
+            " titan_models.attention)"
+        ]
+    impl = config.model.block_causal_impl
+    if impl == "auto" or hasattr(model, "block_causal_impl"):
         return []
     return [
-        f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
-        f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
-        " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
-        " titan_models.attention)"
+        f"[model] block_causal_impl = {impl!r} needs a model with a `block_causal_impl`"
+        f" attribute, and {config.model.name}'s ({type(model).__name__}) has none\nleave"
+        " block_causal_impl = 'auto' (the model's own choice), or add the attribute (see"
+        " titan-models' titan_models.block_causal)"
     ]
 
 

@@ -4,7 +4,7 @@ job, its first document read."""
 
 from __future__ import annotations
 
-from titan_core import PluginError, plugins, resolve
+from titan_core import PluginError, first_line, plugins, resolve
 from titan_trainer.model import hf_import_vocab
 
 
@@ -77,11 +77,6 @@ def _hf_vocab_problems(config, tokenizer_path: str, vocab_size: int, notes: list
         f" (the tokenizer has {vocab_size:,} ids)"
     )
     return []
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _described(data, section: str, dataset: str, path: str | None, notes: list[str]) -> list[str]:
