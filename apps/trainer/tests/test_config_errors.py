@@ -259,15 +259,18 @@ def test_block_causal_impl_without_block_causal_attention_is_refused():
 
 
 def test_block_causal_impl_needs_a_model_that_has_the_attribute():
-    from titan_core import plugins, resolve
-    from titan_trainer.checks import _attention_problems
+    from titan_trainer.layout import Layout
+    from titan_trainer.preflight import _attention_problems
+
+    def meta(config):  # the model the checks read, with a vocabulary of 16
+        return Layout(config, config.parallelism.build_parallel_dims(1), vocab_size=16)
 
     name = "runtime_models:forward_with_document_ids_spec"
     args = ["--model.name", name, "--model.attn_mask_type", "block_causal"]
-    spec = resolve(plugins.MODELS, name)
-    assert _attention_problems(load_config(JobConfig, args), spec, 16) == []  # auto
+    config = load_config(JobConfig, args)
+    assert _attention_problems(config, meta(config)) == []  # auto
     config = load_config(JobConfig, [*args, "--model.block_causal_impl", "varlen"])
-    assert _attention_problems(config, spec, 16) == [
+    assert _attention_problems(config, meta(config)) == [
         "[model] block_causal_impl = 'varlen' needs a model with a `block_causal_impl`"
         f" attribute, and {name}'s (DocumentIds) has none\nleave block_causal_impl = 'auto'"
         " (the model's own choice), or add the attribute (see titan-models'"
