@@ -380,11 +380,15 @@ def tests_avx2(session: nox.Session) -> None:
     Not in the default set (it repeats it); run it where CI's machines may lack AVX-512 or bf16
     and the machine at hand has them. `uv run nox -s tests-avx2 -- -k bench` narrows it."""
     session.run("uv", "run", "--frozen", "python", "-c", _CAPABILITY, env=AVX2_ENV)
+    # Inductor's own cache for this session: kernels compiled for the CPU's full ISA by other
+    # runs are not reused here.
+    inductor_cache = {"TORCHINDUCTOR_CACHE_DIR": str(Path(session.create_tmp()) / "inductor")}
     for dist in PACKAGES:
         session.run(
             "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-q",
             "-m", "not slow", f"--durations={DURATIONS}", *session.posargs,
-            env={**TEST_ENV, **AVX2_ENV}, success_codes=[0, 5],  # 5: -k selected none here
+            env={**TEST_ENV, **AVX2_ENV, **inductor_cache},
+            success_codes=[0, 5],  # 5: -k selected none here
         )  # fmt: skip
 
 
