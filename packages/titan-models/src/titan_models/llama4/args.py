@@ -119,9 +119,10 @@ class Llama4Args:
 
 def _moe(num_experts: int, hidden: int) -> MoEArgs:
     # Llama 4: the best expert by sigmoid score (its score multiplied into its input) plus one
-    # shared expert. Balanced by the sequence-wise auxiliary loss (Hugging Face's
-    # router_aux_loss_coef, 0.001), not by an expert bias, which Hugging Face's Llama 4 cannot
-    # hold (so a trained model exports).
+    # shared expert. Balanced by the batch-level auxiliary loss at the coefficient of Hugging
+    # Face's config (router_aux_loss_coef, 0.001; Hugging Face's model itself computes no
+    # balance loss), not by torchtitan's expert bias (0.001), which Hugging Face's Llama 4
+    # cannot hold (so a trained model exports).
     return MoEArgs(
         num_experts=num_experts,
         top_k=1,
