@@ -115,7 +115,7 @@ class ParallelRuntime:
         this seed (a function of seed and parameter name; see `titan_core.init`). With
         `parameters=False` only buffers are rebuilt: the weights come from a checkpoint."""
         for part in parts:
-            if parameters or not hasattr(part, "init_buffers"):
+            if parameters:
                 titan_parallel.init_weights_exact(part, self.seed, buffer_device=self.device)
             else:
                 part.init_buffers(self.device)

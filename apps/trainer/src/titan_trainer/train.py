@@ -50,7 +50,7 @@ from titan_trainer.comm import (
 from titan_trainer.config import JobConfig
 from titan_trainer.fault_tolerance import build_step_coordinator, data_coordinates
 from titan_trainer.guards import StepGuard, build_checked_loader, claim_run_folders
-from titan_trainer.loader_state import checkpointed_loader, plugin_kwargs
+from titan_trainer.loader_state import checkpointed_loader
 from titan_trainer.logs import rank_logging
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.lr_schedule import build_lr_scheduler
@@ -250,7 +250,7 @@ def build_loader(config: JobConfig, data, tokenizer, dims: ParallelDims):
         pin_memory=t.dataloader.pin_memory,
         seed=t.seed if t.seed is not None else 0,
     )
-    return build_checked_loader(data, **plugin_kwargs(data.build_dataloader, kwargs, t.data_plugin))
+    return build_checked_loader(data, **kwargs)
 
 
 def build_checkpointer(
