@@ -18,13 +18,16 @@ import importlib.util
 import os
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from titan_ckpt import ModelState, OptimizerState
 from titan_core import ParallelDims, get_logger
 from titan_trainer.step import ALONE, StepCoordinator
+
+if TYPE_CHECKING:  # imported when fault tolerance is on only (torchft is an extra)
+    from titan_parallel import ReplicaGroup, SemiSync
 
 log = get_logger("fault_tolerance")
 
@@ -54,7 +57,7 @@ class ReplicaSteps(StepCoordinator):
     per_rank_data = True  # each group is a job of its own, with its own data position
     receives_peer_state = True
 
-    def __init__(self, replicas, semi_sync=None):
+    def __init__(self, replicas: ReplicaGroup, semi_sync: SemiSync | None = None):
         self.replicas = replicas
         self.semi_sync = semi_sync
         self._batches: StepBatches | None = None
@@ -117,7 +120,9 @@ class ReplicaSteps(StepCoordinator):
         self.replicas.close()  # leaves the quorums; torchft's threads stop
 
 
-def build_replica_group(config, info, parts, optimizer, lr_scheduler, train_state):
+def build_replica_group(
+    config, info, parts, optimizer, lr_scheduler, train_state
+) -> ReplicaGroup | None:
     """This rank's `ReplicaGroup` when [fault_tolerance] enable is set, else None. What a
     restarted group receives from a live one: weights, optimizer state, the learning-rate
     schedule and the step (not the data position: each group reads its own shard)."""
@@ -138,10 +143,10 @@ def build_replica_group(config, info, parts, optimizer, lr_scheduler, train_stat
     )
 
 
-def build_semi_sync(replicas, parts):
+def build_semi_sync(replicas: ReplicaGroup, parts) -> SemiSync | None:
     """LocalSGD or DiLoCo over `replicas` when [fault_tolerance] semi_sync_method asks for it,
     else None."""
-    if replicas is None or not replicas.config.semi_sync_method:
+    if not replicas.config.semi_sync_method:
         return None
     from titan_parallel import SemiSync
 
