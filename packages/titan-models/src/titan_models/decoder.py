@@ -57,13 +57,13 @@ overrides `forward` without `document_ids`, so that the trainer refuses block_ca
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
+from titan_models.args import DecoderArgs
 from titan_models.attention import GroupedQueryAttention
 from titan_models.block_causal import BlockCausalImpl, build_attention_mask
 from titan_models.decoder_block import DecoderBlock
@@ -81,19 +81,6 @@ _DENSE_FFN_TP_PLAN = {
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",
 }
-
-
-class DecoderArgs(Protocol):
-    """What the shared decoder reads from a family's args (a frozen dataclass)."""
-
-    dim: int
-    n_layers: int
-    vocab_size: int
-    norm_eps: float
-    max_seq_len: int
-    tie_word_embeddings: bool
-    depth_init: bool
-    # Optional: `n_mtp_layers` (int, default 0), the multi-token-prediction depth.
 
 
 def block_init_plan(
