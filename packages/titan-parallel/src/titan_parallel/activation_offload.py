@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from titan_parallel.compiled_memory import _fused as _uncounted
 
@@ -45,7 +46,9 @@ def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
 
 
 def _pack(tensor: torch.Tensor):
-    if isinstance(tensor, nn.Parameter) or type(tensor) is not torch.Tensor:
+    # Wrapper subclasses (DTensor, Float8 tensors) keep a layout of their own; fake tensors
+    # (a memory estimate's) are offloaded as the real ones would be.
+    if isinstance(tensor, nn.Parameter) or is_traceable_wrapper_subclass(tensor):
         return tensor
     device = tensor.device
     pinned = device.type == "cuda"
