@@ -107,13 +107,15 @@ def test_dry_run_counts_bf16_state_at_half_and_offload_off_the_device():
             return measure_rank(_load([*base, *extra]), 1, vocab, "r", fake=True, kernels="cuda")
 
     mixed, bf16 = predict([]), predict(BF16[:2])
-    offload = predict(["--activation_checkpoint.cpu_offload", "true"])
+    # With bf16 parameters there is no autocast, whose cache of bf16 weight copies would
+    # dominate this small step's activations (and is offloaded for nothing: see the README).
+    offload = predict([*BF16[:2], "--activation_checkpoint.cpu_offload", "true"])
     # The same parameters at 2 bytes instead of 4, gradients and AdamW's two moments alike.
     for kind in ("parameters", "gradients", "optimizer"):
         assert getattr(bf16.step, kind) * 2 == pytest.approx(getattr(mixed.step, kind), rel=0.02)
-    assert mixed.offloaded == 0 and offload.offloaded > 0
+    assert bf16.offloaded == 0 and offload.offloaded > 0
     # The blocks' activations wait on the host: what stays is outside them (embedding, head).
-    assert offload.step.activations < 0.5 * mixed.step.activations, (offload, mixed)
+    assert offload.step.activations < 0.5 * bf16.step.activations, (offload.step, bf16.step)
 
 
 def test_offload_and_memory_budget_train_like_the_plain_run(debug_args, same_doc_dataset, tmp_path):

@@ -41,8 +41,21 @@ class OffloadWrapper(ActivationWrapper):
 
 def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that keep what autograd saves in host memory (see the module
-    docstring)."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+    docstring). A tensor saved by several operations (a block's normalised input, read by
+    three projections) is copied once within the block."""
+    copies: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def pack(tensor: torch.Tensor):
+        # Keyed by identity, the tensor kept alongside so that its id is not reused while
+        # the block runs forward; the hooks (and these references) go when it returns.
+        known = copies.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1]
+        packed = _pack(tensor)
+        copies[id(tensor)] = (tensor, packed)
+        return packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
 
 
 def _pack(tensor: torch.Tensor):
