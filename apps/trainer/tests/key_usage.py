@@ -111,6 +111,8 @@ def main(out: str, work: str) -> None:
         "3",
         "--model.attn_mask_type",
         "block_causal",
+        "--model.block_causal_impl",  # its CPU path: SDPA per document from cu_seqlens
+        "varlen",
         "--lr_scheduler.decay_ratio",
         "0.5",
         "--activation_checkpoint.mode",

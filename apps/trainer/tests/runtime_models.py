@@ -1,5 +1,7 @@
 """Model plugins for the trainer's checks: `runtime_models:third_party_spec`, whose forward
-takes only tokens (what a third-party family looks like), and
+takes only tokens (what a third-party family looks like),
+`runtime_models:forward_with_document_ids_spec`, one that takes `document_ids` but has no
+`block_causal_impl`, and
 `runtime_models:leaky_block_causal_spec`, Llama 3 whose block-causal attention check runs the
 FlexAttention path with a mask that ignores the documents (what a broken kernel or block mask
 on a GPU would look like to the trainer)."""
@@ -31,16 +33,29 @@ class ThirdParty(nn.Module):
 third_party_spec = ModelSpec(name="third_party", flavors={"debugmodel": Args()}, build=ThirdParty)
 
 
-def _leaky_block_causal_check(device: torch.device) -> list[str]:
+class DocumentIds(ThirdParty):
+    """A third-party model that takes `document_ids` (its own masking) but has no
+    `block_causal_impl` to choose from."""
+
+    def forward(self, tokens: torch.Tensor, document_ids=None) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+forward_with_document_ids_spec = ModelSpec(
+    name="document_ids", flavors={"debugmodel": Args()}, build=DocumentIds
+)
+
+
+def _leaky_block_causal_check(device: torch.device, impl: str = "auto") -> list[str]:
     from unittest import mock
 
-    from titan_models import attention
+    from titan_models import block_causal
 
     def causal_only(ids):
         return lambda b, h, q, kv: q >= kv
 
-    with mock.patch.object(attention, "same_document_and_causal", causal_only):
-        return attention.check_block_causal(device, flex=True, backward=False)
+    with mock.patch.object(block_causal, "same_document_and_causal", causal_only):
+        return block_causal.check_block_causal(device, "flex", backward=False)
 
 
 def _leaky_spec() -> ModelSpec:

@@ -178,6 +178,7 @@ def test_block_causal_attention_is_refused_with_context_parallel():
         "[model] attn_mask_type = 'block_causal' does not work with context parallel"
         " (context_parallel_degree = 2): torch's context-parallel attention takes no mask" in text
     )
+    assert "no block_causal_impl carries document boundaries across them" in text
     assert "use attn_mask_type = 'causal' with context parallel" in text
 
 
@@ -218,13 +219,60 @@ def test_block_causal_attention_is_refused_on_a_device_where_its_check_fails():
     problem = block_causal_device_problem(leaky, torch.device("cpu"))
     assert problem.startswith(
         "[model] attn_mask_type = 'block_causal': runtime_models:leaky_block_causal_spec's"
-        " block-causal attention on cpu: "
+        " block-causal attention (block_causal_impl = 'auto') on cpu: "
     ), problem
-    assert "does not match the dense mask:\n  torch.float32 forward: greatest difference" in problem
-    assert problem.endswith(
-        "training would let documents attend to each other; use attn_mask_type = 'causal' on"
-        " this machine, or another torch version"
+    assert (
+        "fails its check against the dense mask:\n  flex torch.float32 forward: greatest"
+        " difference" in problem
     )
+    assert problem.endswith(
+        "training would let documents attend to each other, or fail; use another"
+        " block_causal_impl ('dense' runs anywhere), attn_mask_type = 'causal' on this"
+        " machine, or another torch version"
+    )
+
+
+def test_each_block_causal_impl_is_checked_on_the_device_and_flex_refused_on_the_cpu():
+    """The trainer's check runs the chosen implementation: varlen's CPU path passes (forward
+    and backward, fp32 and bf16), FlexAttention is refused on the CPU, which has no backward
+    for it (training would fail at its first backward step)."""
+    import torch
+
+    from titan_trainer.checks import block_causal_device_problem
+
+    cpu = torch.device("cpu")
+    args = ["--model.attn_mask_type", "block_causal", "--model.block_causal_impl"]
+    assert block_causal_device_problem(load_config(JobConfig, [*args, "varlen"]), cpu) is None
+    problem = block_causal_device_problem(load_config(JobConfig, [*args, "flex"]), cpu)
+    assert "(block_causal_impl = 'flex') on cpu" in problem, problem
+    assert "FlexAttention has no backward on cpu" in problem
+    assert "use block_causal_impl = 'dense' or 'varlen'" in problem
+
+
+def test_block_causal_impl_without_block_causal_attention_is_refused():
+    text = problems(["--model.block_causal_impl", "varlen"])
+    assert (
+        "[model] block_causal_impl = 'varlen' does nothing with attn_mask_type = 'causal': it"
+        " picks how a block-causal mask is computed\n       set attn_mask_type = 'block_causal', or"
+        " leave block_causal_impl out" in text
+    )
+
+
+def test_block_causal_impl_needs_a_model_that_has_the_attribute():
+    from titan_core import plugins, resolve
+    from titan_trainer.checks import _attention_problems
+
+    name = "runtime_models:forward_with_document_ids_spec"
+    args = ["--model.name", name, "--model.attn_mask_type", "block_causal"]
+    spec = resolve(plugins.MODELS, name)
+    assert _attention_problems(load_config(JobConfig, args), spec, 16) == []  # auto
+    config = load_config(JobConfig, [*args, "--model.block_causal_impl", "varlen"])
+    assert _attention_problems(config, spec, 16) == [
+        "[model] block_causal_impl = 'varlen' needs a model with a `block_causal_impl`"
+        f" attribute, and {name}'s (DocumentIds) has none\nleave block_causal_impl = 'auto'"
+        " (the model's own choice), or add the attribute (see titan-models'"
+        " titan_models.block_causal)"
+    ]
 
 
 @pytest.mark.parametrize("value", ["nan", "inf"])

@@ -50,6 +50,9 @@ BLOCK_CAUSAL_LAYOUTS = {
     "fsdp2_tp2": LAYOUTS["fsdp2_tp2"],
     "pp2_fsdp2": dict(data_parallel_shard_degree=2, pipeline_parallel_degree=2),
 }
+# How each layout computes the mask (`block_causal_impl`), against the one-process dense mask:
+# varlen under TP (each rank cuts its own heads by the same cu_seqlens), dense under PP.
+BLOCK_CAUSAL_IMPL = {"fsdp2_tp2": "varlen", "pp2_fsdp2": "dense"}
 
 
 # ----------------------------------------------------------------------------- models
@@ -243,6 +246,8 @@ def train_case(world: int, model_name: str, layout: str, block_causal: bool = Fa
         runtime.document_start_id = BOS
     with torch.device("meta"):
         model = MODELS[model_name]()
+    if block_causal:
+        model.block_causal_impl = BLOCK_CAUSAL_IMPL[layout]
     (part,) = runtime.parallelize(model)
     runtime.materialize([part])
     runtime.init_weights([part])

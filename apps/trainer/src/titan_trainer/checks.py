@@ -111,8 +111,16 @@ def check_config(config: JobConfig, world_size: int) -> None:
         problems.append(
             f"[model] attn_mask_type = 'block_causal' does not work with context parallel"
             f" (context_parallel_degree = {dims.cp}): torch's context-parallel attention takes"
-            " no mask, so documents would see each other across the shards\nuse"
-            " attn_mask_type = 'causal' with context parallel, or context_parallel_degree = 1"
+            " no mask, so documents would see each other across the shards (no"
+            " block_causal_impl carries document boundaries across them: dense and flex masks"
+            " and varlen offsets all cover the whole sequence)\nuse attn_mask_type = 'causal'"
+            " with context parallel, or context_parallel_degree = 1"
+        )
+    if config.model.block_causal_impl != "auto" and config.model.attn_mask_type != "block_causal":
+        problems.append(
+            f"[model] block_causal_impl = {config.model.block_causal_impl!r} does nothing with"
+            f" attn_mask_type = {config.model.attn_mask_type!r}: it picks how a block-causal mask"
+            " is computed\nset attn_mask_type = 'block_causal', or leave block_causal_impl out"
         )
     if config.validation.enable and dims.pp_enabled:
         problems += _pipeline_validation_problems(config)
@@ -526,19 +534,28 @@ def _attention_problems(config: JobConfig, spec, vocab_size: int) -> list[str]:
         return []
     with torch.device("meta"):
         model = spec.build(model_args_for(spec, config, vocab_size))
-    if "document_ids" in inspect.signature(model.forward).parameters:
+    if "document_ids" not in inspect.signature(model.forward).parameters:
+        return [
+            f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
+            f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
+            " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
+            " titan_models.attention)"
+        ]
+    impl = config.model.block_causal_impl
+    if impl == "auto" or hasattr(model, "block_causal_impl"):
         return []
     return [
-        f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
-        f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
-        " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
-        " titan_models.attention)"
+        f"[model] block_causal_impl = {impl!r} needs a model with a `block_causal_impl`"
+        f" attribute, and {config.model.name}'s ({type(model).__name__}) has none\nleave"
+        " block_causal_impl = 'auto' (the model's own choice), or add the attribute (see"
+        " titan-models' titan_models.block_causal)"
     ]
 
 
 def block_causal_device_problem(config: JobConfig, device: torch.device) -> str | None:
     """With block-causal attention: the model family's own check of its attention on this
-    device (`ModelSpec.block_causal_check`: FlexAttention against the dense mask on CUDA), run
+    device with `[model] block_causal_impl` (`ModelSpec.block_causal_check`: the chosen
+    implementation against the dense mask, forward and backward, fp32 and bf16), run
     before training; a message when it fails on any rank, so that no run trains with a mask
     that lets documents see each other. A family without a check is not checked."""
     if config.model.attn_mask_type != "block_causal":
@@ -549,7 +566,7 @@ def block_causal_device_problem(config: JobConfig, device: torch.device) -> str 
     if spec.block_causal_check is None:
         return None
     start = time.perf_counter()
-    problems = spec.block_causal_check(device)
+    problems = spec.block_causal_check(device, config.model.block_causal_impl)
     if not any_rank(bool(problems)):
         get_logger("checks").info(
             "block-causal attention matches its reference on %s (%.1f s)",
@@ -560,9 +577,11 @@ def block_causal_device_problem(config: JobConfig, device: torch.device) -> str 
     said = "\n  ".join(problems) if problems else "(it failed on another rank; see its log)"
     return (
         f"[model] attn_mask_type = 'block_causal': {config.model.name}'s block-causal attention"
-        f" on {device_name(device)} (torch {torch.__version__}) does not match the dense"
-        f" mask:\n  {said}\ntraining would let documents attend to each other; use"
-        " attn_mask_type = 'causal' on this machine, or another torch version"
+        f" (block_causal_impl = {config.model.block_causal_impl!r}) on {device_name(device)}"
+        f" (torch {torch.__version__}) fails its check against the dense mask:\n  {said}\n"
+        "training would let documents attend to each other, or fail; use another"
+        " block_causal_impl ('dense' runs anywhere), attn_mask_type = 'causal' on this"
+        " machine, or another torch version"
     )
 
 

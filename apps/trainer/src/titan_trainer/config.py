@@ -57,8 +57,19 @@ class Model:
     """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
     the earlier tokens of its own document (documents start at the tokenizer's BOS, or for one
     without a BOS at the EOS ending the previous one), so that packed documents do not see each
-    other. FlexAttention on CUDA, a dense mask elsewhere; the
-    model's forward must take `document_ids` (titan-models' do). Not with context parallel."""
+    other. How the mask is computed: `block_causal_impl`. The model's forward must take
+    `document_ids` (titan-models' Llama 3 and Qwen3 do). Not with context parallel."""
+    block_causal_impl: Literal["auto", "dense", "flex", "varlen"] = "auto"
+    """With attn_mask_type = 'block_causal', how the mask is computed (the result is the
+    same): `dense`: SDPA with a [batch, 1, seq, seq] boolean mask (any device, O(seq^2)
+    memory); `flex`: FlexAttention with a BlockMask from the document boundaries, compiled
+    kernels on CUDA (on the CPU it has no backward, so training refuses it); `varlen`: the
+    documents cut out of the flattened batch by their offsets (cu_seqlens), torch's
+    variable-length flash attention on CUDA (torch 2.10+; bf16/fp16), SDPA per document
+    elsewhere and in float32;
+    `auto`: flex on CUDA, dense elsewhere. The model must have a `block_causal_impl`
+    attribute (titan-models' do) for any but auto. Checked against the dense mask on the
+    job's device before training."""
     n_mtp_layers: int | None = None
     """Multi-token-prediction layers (DeepSeek-V3's MTP modules: D layers after the blocks
     that predict the tokens 2..D+1 positions ahead, trained with `[training]

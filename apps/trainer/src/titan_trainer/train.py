@@ -158,6 +158,9 @@ def build_model(
     spec = resolve(plugins.MODELS, config.model.name)
     with torch.device("meta"):
         model = spec.build(model_args_for(spec, config, vocab_size))
+    # The checks refused a block_causal_impl other than auto for a model without the attribute.
+    if config.model.attn_mask_type == "block_causal" and hasattr(model, "block_causal_impl"):
+        model.block_causal_impl = config.model.block_causal_impl
     for converter in converters:
         converter.convert(model)
     if config.model.print_after_conversion:

@@ -43,6 +43,7 @@ from titan_ckpt.hf import DTYPES
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
+from titan_core.messages import first_line
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
 
@@ -150,7 +151,7 @@ def _token_ids(ckpt: Path) -> tuple[int | None, int | None]:
     except Exception as e:  # noqa: BLE001 - a tokenizer file not on this machine: say so
         print(
             f"titan-ckpt: note: the run's tokenizer {name!r} cannot be loaded here"
-            f" ({str(e).splitlines()[0] if str(e) else type(e).__name__}); config.json gets"
+            f" ({first_line(e)}); config.json gets"
             " no bos_token_id/eos_token_id",
             file=sys.stderr,
         )

@@ -21,6 +21,7 @@ from titan_ckpt import layout
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.dcp_io import checkpoint_keys
 from titan_ckpt.storage import RemotePath, as_path, join
+from titan_core.messages import shortlist
 
 
 def checkpoint_folder(config: Checkpoint, dump_folder: str) -> Path | RemotePath:
@@ -75,15 +76,14 @@ def _compare(path: Path, expected: Mapping[str, tuple[int, ...]]) -> list[str]:
     problems = []
     if missing:
         problems.append(
-            f"checkpoint {path} lacks {len(missing)} tensor(s) of this model: {', '.join(missing[:4])}"
-            + (" ..." if len(missing) > 4 else "")
-            + "\nis it from another model or flavor? set checkpoint.folder to a fresh folder, or the matching flavor"
+            f"checkpoint {path} lacks {len(missing)} tensor(s) of this model:"
+            f" {shortlist(missing, 4)}\nis it from another model or flavor? set checkpoint.folder"
+            " to a fresh folder, or the matching flavor"
         )
     if wrong:
         problems.append(
-            f"checkpoint {path} has other shapes than this model: {'; '.join(wrong[:3])}"
-            + (" ..." if len(wrong) > 3 else "")
-            + "\nthe flavor or vocabulary differs; use the flavor and tokenizer the checkpoint was trained with"
+            f"checkpoint {path} has other shapes than this model: {shortlist(wrong, 3, '; ')}"
+            "\nthe flavor or vocabulary differs; use the flavor and tokenizer the checkpoint was trained with"
         )
     return problems
 

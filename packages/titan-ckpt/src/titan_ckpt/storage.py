@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from titan_core.messages import first_line
 from titan_core.run_folder import RunFolderError
 
 EXTRAS = {"s3": "s3", "s3a": "s3"}
@@ -235,8 +236,7 @@ def check_remote_writable(folder: RemotePath, *, purpose: str, hint: str = "") -
         probe.write_text("titan write test\n")
         probe.unlink(missing_ok=True)
     except Exception as e:  # noqa: BLE001 - any failure of the store is the finding
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RunFolderError(
-            f"the {purpose} {folder} cannot be written: {reason}\n"
+            f"the {purpose} {folder} cannot be written: {first_line(e)}\n"
             + (hint or "check the URL, the bucket and the credentials")
         ) from e

@@ -46,6 +46,7 @@ from titan_core.flops import (
 from titan_core.init import ParamInit, init_from_plan_, init_parameter_
 from titan_core.log import get_logger, init_logging
 from titan_core.memory import MemoryMonitor, MemoryStats
+from titan_core.messages import first_line, shortlist
 from titan_core.parallel_dims import ParallelDims
 from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
@@ -127,6 +128,7 @@ __all__ = [
     "dump_flight_recorder",
     "device_name",
     "field_docs",
+    "first_line",
     "get_logger",
     "init_distributed",
     "init_logging",
@@ -143,6 +145,7 @@ __all__ = [
     "resolve_device_type",
     "set_collective_timeout",
     "set_seed",
+    "shortlist",
     "supports_bf16",
     "to_toml",
     "two_significant",

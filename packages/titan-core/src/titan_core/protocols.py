@@ -242,10 +242,11 @@ class ModelSpec:
     """`hf_adapter(args)` converts the weights of a model built from `args`; a trainer also
     passes `bos_token_id=` and `eos_token_id=` (the tokenizer's, for the config.json it
     writes) when the callable takes them."""
-    block_causal_check: Callable[[torch.device], list[str]] | None = None
-    """For a family whose forward takes `document_ids`: computes its block-causal attention on
-    a device as the model does there and compares it with a reference, returning one line per
-    disagreement. A trainer runs it before training with block-causal attention and refuses a
+    block_causal_check: Callable[[torch.device, str], list[str]] | None = None
+    """For a family whose forward takes `document_ids`: `check(device, impl)` computes its
+    block-causal attention on a device as the model does there with implementation `impl` (a
+    trainer's `block_causal_impl`: auto, dense, flex, varlen) and compares it with a
+    reference, returning one line per disagreement (or per thing the device lacks). A trainer runs it before training with block-causal attention and refuses a
     device where it fails (titan-models: `titan_models.attention.check_block_causal`)."""
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
+from titan_core.messages import first_line
+
 log = logging.getLogger("titan.data")  # titan_core's logger, without importing torch here
 
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
@@ -143,9 +145,8 @@ def read_tokenizer_json(path: str) -> Tokenizer:
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises plain Exception for any unreadable file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
-            f"{path} is not a tokenizer.json the tokenizers library can read ({reason}); "
+            f"{path} is not a tokenizer.json the tokenizers library can read ({first_line(e)}); "
             "download it again with the model's other assets, or point tokenizer_path at "
             "another tokenizer"
         ) from None

@@ -26,6 +26,7 @@ from titan_data.token_shards import (
     FORMAT,
     MANIFEST,
     VERSION,
+    differences,
     dtype_for,
     read_manifest,
     shard_name,
@@ -134,11 +135,7 @@ def _resume_manifest(out: str, fresh: dict) -> dict:
     """The index an earlier run left, if it was made from the same source, tokenizer and shard
     size; DataError otherwise."""
     old = read_manifest(out)
-    differ = [
-        f"{key} {old.get(key)!r} (now {fresh[key]!r})"
-        for key in ("source", "tokenizer", "dtype", "shard_tokens")
-        if old.get(key) != fresh[key]
-    ]
+    differ = differences(old, fresh, ("source", "tokenizer", "dtype", "shard_tokens"), "now")
     if differ:
         raise DataError(
             f"{out} holds tokens made with other settings: {'; '.join(differ)}\nuse another"

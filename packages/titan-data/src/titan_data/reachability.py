@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from titan_core.messages import first_line
 from titan_data.errors import DataError
 from titan_data.mixture import parse_datasets
 from titan_data.sources import Source, check_source, load_source
@@ -36,9 +37,9 @@ def check_dataset(dataset: str, dataset_path: str | None = None) -> None:
                 raise
             offline = _offline()
             cause = (
-                f"it is not in the Hugging Face cache (HF_HUB_OFFLINE=1): {_first_line(e)}"
+                f"it is not in the Hugging Face cache (HF_HUB_OFFLINE=1): {first_line(e)}"
                 if offline
-                else _first_line(e)
+                else first_line(e)
             )
             raise DataError(_unreachable(entry.dataset, source, cause)) from None
 
@@ -65,11 +66,11 @@ def hub_problem(repo: str) -> str | None:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status in (401, 403):
             return f"the Hugging Face hub refused the token for {repo} (HTTP {status})"
-        return f"the Hugging Face hub answered with an error: {_first_line(e)}"
+        return f"the Hugging Face hub answered with an error: {first_line(e)}"
     except Exception as e:  # noqa: BLE001 - DNS, refused, timeout: the network, by any client
         return (
             "this machine cannot reach the Hugging Face hub (no network route:"
-            f" {type(e).__name__}: {_first_line(e)})"
+            f" {type(e).__name__}: {first_line(e)})"
         )
     return None
 
@@ -92,8 +93,3 @@ def _has_token() -> bool:
     import huggingface_hub  # noqa: PLC0415
 
     return huggingface_hub.get_token() is not None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
 
@@ -77,6 +78,18 @@ def tokenizer_record(tokenizer: Any, name: str) -> dict[str, Any]:
         "eos_id": tokenizer.eos_id,
         "fingerprint": tokenizer_fingerprint(tokenizer),
     }
+
+
+def differences(
+    made: dict[str, Any], now: dict[str, Any], keys: Iterable[str], label: str
+) -> list[str]:
+    """`key <made> (<label> <now>)` for each of `keys` whose value differs between a record
+    written earlier and the same record made now."""
+    return [
+        f"{key} {made.get(key)!r} ({label} {now[key]!r})"
+        for key in keys
+        if made.get(key) != now[key]
+    ]
 
 
 def read_manifest(folder: str) -> dict[str, Any]:
@@ -159,11 +172,9 @@ class TokenShards:
         """The ids were made by this tokenizer (same vocabulary, BOS, EOS and model file)."""
         made = self.manifest["tokenizer"]
         now = tokenizer_record(tokenizer, "")
-        different = [
-            f"{key} {made[key]!r} (this run: {now[key]!r})"
-            for key in ("vocab_size", "bos_id", "eos_id", "fingerprint")
-            if made.get(key) != now[key]
-        ]
+        different = differences(
+            made, now, ("vocab_size", "bos_id", "eos_id", "fingerprint"), "this run:"
+        )
         if different:
             raise DataError(
                 f"{self.folder} was tokenized with {made['name']}, which differs from this run's"

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from titan_core.messages import first_line
 from titan_data.batches import Plan, Position, produce
 from titan_data.errors import DataError
 
@@ -103,9 +104,9 @@ def start_workers(
                 except StopIteration:
                     return
                 except RuntimeError as e:  # DataLoader reports a worker that died this way
-                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                     raise DataError(
-                        f"a data loader worker of dp rank {plan.layout.dp_rank} stopped: {first}"
+                        f"a data loader worker of dp rank {plan.layout.dp_rank} stopped:"
+                        f" {first_line(e)}"
                         "\nthe run cannot go on without its batches; resume from the last"
                         " checkpoint"
                     ) from e

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from titan_core.messages import first_line
 from titan_float8.config import SECTION
 
 MIN_CUDA_CAPABILITY = (8, 9)
@@ -43,10 +44,9 @@ def scaled_mm_problem(device: torch.device) -> str | None:
     try:
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return (
             f"this torch {torch.__version__} build has no Float8 matmul (torch._scaled_mm) for "
-            f"{device.type}: {first}\n{_EMULATE_HINT}"
+            f"{device.type}: {first_line(e)}\n{_EMULATE_HINT}"
         )
     return None
 

@@ -2,20 +2,14 @@
 
 import importlib.metadata
 
+from titan_models import llama3
 from titan_models.attention import GroupedQueryAttention
 from titan_models.decoder import Decoder, DecoderBlock
 from titan_models.generation import KVCache, Sampling, generate, next_token
 from titan_models.hf_adapter import DecoderHFAdapter
-from titan_models.llama3 import (
-    LlamaArgs,
-    LlamaHFAdapter,
-    Transformer,
-    block_init_plan,
-    llama3_flavors,
-    llama3_spec,
-    llama_flops_per_token,
-    llama_param_count,
-)
+
+# The reference family's API at the top level, as `titan_models.llama3.__all__` lists it.
+from titan_models.llama3 import *  # noqa: F403
 
 __version__ = importlib.metadata.version("titan-llm-models")  # the pyproject's version, one source
 
@@ -28,12 +22,5 @@ __all__ = [
     "Sampling",
     "generate",
     "next_token",
-    "LlamaArgs",
-    "LlamaHFAdapter",
-    "Transformer",
-    "block_init_plan",
-    "llama3_flavors",
-    "llama3_spec",
-    "llama_flops_per_token",
-    "llama_param_count",
+    *llama3.__all__,
 ]

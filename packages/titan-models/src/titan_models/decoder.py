@@ -50,20 +50,22 @@ Where new features hang: `head(h, ...)` is every step after the blocks (the fina
 output projection, the MTP layers); a feature that replaces the output projection (a fused
 linear + cross-entropy) overrides `head`. `moe_layers()` lists the mixture-of-experts layers
 the module holds (load balancing). A family whose attention takes no block-causal mask
-overrides `forward` without `document_ids`, so that the trainer refuses block_causal for it.
+overrides `forward` without `document_ids`, so that the trainer refuses block_causal for it;
+`block_causal_impl` (an attribute) picks how the mask of a forward with `document_ids` runs.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
-from titan_models.attention import GroupedQueryAttention, build_attention_mask
+from titan_models.args import DecoderArgs
+from titan_models.attention import GroupedQueryAttention
+from titan_models.block_causal import BlockCausalImpl, build_attention_mask
 from titan_models.decoder_block import DecoderBlock
 from titan_models.generation import KVCache
 from titan_models.moe import MoE, MoEArgs, SwiGLU, moe_init_plan, swiglu_init_plan
@@ -79,19 +81,6 @@ _DENSE_FFN_TP_PLAN = {
     "feed_forward.w3": "colwise",
     "feed_forward.w2": "rowwise",
 }
-
-
-class DecoderArgs(Protocol):
-    """What the shared decoder reads from a family's args (a frozen dataclass)."""
-
-    dim: int
-    n_layers: int
-    vocab_size: int
-    norm_eps: float
-    max_seq_len: int
-    tie_word_embeddings: bool
-    depth_init: bool
-    # Optional: `n_mtp_layers` (int, default 0), the multi-token-prediction depth.
 
 
 def block_init_plan(
@@ -126,6 +115,10 @@ class Decoder(nn.Module):
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.args = args
+        self.block_causal_impl: BlockCausalImpl = "auto"
+        """How the block-causal mask of a forward with `document_ids` is computed (`auto`,
+        `dense`, `flex`, `varlen`; see `titan_models.block_causal`). A plain attribute, set
+        after building (the trainer sets it from `[model] block_causal_impl`)."""
         self.mtp_depth: int = getattr(args, "n_mtp_layers", 0)
         """Multi-token-prediction layers (0: none)."""
         n = args.n_layers
@@ -256,7 +249,7 @@ class Decoder(nn.Module):
         h, ahead = self._embed(tokens, predicting)
         if kv_cache is not None:
             return self.head(self._continue(h, kv_cache))
-        mask = build_attention_mask(document_ids)
+        mask = build_attention_mask(document_ids, impl=self.block_causal_impl)
         inputs = {} if mask is None else {"mask": mask}
         tables = [getattr(self, name) for name in self.table_names]
         for key, block in self.layers.items():

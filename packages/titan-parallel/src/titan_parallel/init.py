@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_core.config import ConfigError
 from titan_core.init import init_from_plan_
+from titan_core.messages import shortlist
 
 
 @torch.no_grad()
@@ -41,9 +42,8 @@ def init_weights_exact(
         missing = init_from_plan_(model, model.init_plan(), seed)
         if missing:
             raise ConfigError(
-                f"{type(model).__name__}.init_plan() has no rule for {', '.join(missing[:5])}"
-                + (" ..." if len(missing) > 5 else "")
-                + "\nadd a ParamInit for every parameter name (names as in the unwrapped model)"
+                f"{type(model).__name__}.init_plan() has no rule for {shortlist(missing, 5)}"
+                "\nadd a ParamInit for every parameter name (names as in the unwrapped model)"
             )
         if hasattr(model, "init_buffers"):
             model.init_buffers(buffer_device)

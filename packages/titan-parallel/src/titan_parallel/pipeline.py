@@ -19,7 +19,7 @@ import csv
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -422,9 +422,24 @@ def plan_pipeline(
     seq_len: int | None = None,
     csv_path: str | Path | None = None,
 ) -> PipelinePlan:
-    """Split and schedule checks without any process group (see `build_pipeline` for the
-    arguments): raises `ConfigError` naming what cannot work. A trainer calls it before
-    creating process groups; `build_pipeline` calls it too."""
+    """Split and schedule checks without any process group: raises `ConfigError` naming what
+    cannot work. A trainer calls it before creating process groups; `build_pipeline` calls it
+    too, with the same keywords.
+
+    Args:
+        schedule: a name from `SCHEDULES` (case-insensitive); ignored when `csv_path` is set.
+        microbatch_size, local_batch_size: the local batch is cut into
+            `local_batch_size // microbatch_size` microbatches.
+        layers_per_stage: units (layers, with the embedding and output counted as
+            `first_stage_less_layers` / `last_stage_less_layers` layers) per stage; fixes the
+            number of stages. Otherwise the count is pp x `stages_per_rank` (default 1 for
+            single-stage schedules, 2 for the others).
+        split_points: explicit module names per stage, overriding the automatic split.
+        balance: "layers" splits by layer count; "params"/"flops" balance stage cost
+            automatically (FLOPs need `seq_len`).
+        csv_path: run the schedule written in this CSV (one row per rank, torch's action
+            syntax such as `0F1`, `1B0`, `0W0`); stage ownership is read from it.
+    """
     if local_batch_size < 1 or microbatch_size < 1 or local_batch_size % microbatch_size:
         raise ConfigError(
             f"[training] local_batch_size = {local_batch_size} does not split into microbatches of"
@@ -502,60 +517,26 @@ def build_pipeline(
     model: nn.Module,
     pp_mesh: DeviceMesh,
     *,
-    schedule: str = "1F1B",
-    microbatch_size: int,
-    local_batch_size: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
-    layers_per_stage: int | None = None,
-    stages_per_rank: int | None = None,
-    first_stage_less_layers: int = 1,
-    last_stage_less_layers: int = 1,
-    split_points: Sequence[Sequence[str]] | None = None,
-    balance: Literal["layers", "params", "flops"] = "layers",
-    seq_len: int | None = None,
-    csv_path: str | Path | None = None,
     parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
     stage_io: StageIO | None = None,
+    **split: Any,
 ) -> Pipeline:
     """Split `model` (built on the meta device) into pipeline stages and build the schedule.
 
     Args:
         pp_mesh: the pipeline mesh, `ParallelDims.mesh("pp")`.
-        schedule: a name from `SCHEDULES` (case-insensitive); ignored when `csv_path` is set.
-        microbatch_size, local_batch_size: the local batch is cut into
-            `local_batch_size // microbatch_size` microbatches.
         loss_fn: `loss_fn(logits, labels)` returning the mean loss of one microbatch.
-        layers_per_stage: units (layers, with the embedding and output counted as
-            `first_stage_less_layers` / `last_stage_less_layers` layers) per stage; fixes the
-            number of stages. Otherwise the count is pp x `stages_per_rank` (default 1 for
-            single-stage schedules, 2 for the others).
-        split_points: explicit module names per stage, overriding the automatic split.
-        balance: "layers" splits by layer count; "params"/"flops" balance stage cost
-            automatically (FLOPs need `seq_len`).
-        csv_path: run the schedule written in this CSV (one row per rank, torch's action
-            syntax such as `0F1`, `1B0`, `0W0`); stage ownership is read from it.
         parallelize_fn: applied to each stage module before its PipelineStage is made (it may
             also be applied by the caller afterwards, in place).
         stage_io: static shapes of what flows between stages (see `infer_stage_io`); without
             it the stages exchange shapes at their first step.
+        split: how the model is cut and scheduled: the keywords of `plan_pipeline`
+            (`microbatch_size` and `local_batch_size` required), checked there.
     """
     pp_degree, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    plan = plan_pipeline(
-        model,
-        pp_degree,
-        schedule=schedule,
-        microbatch_size=microbatch_size,
-        local_batch_size=local_batch_size,
-        layers_per_stage=layers_per_stage,
-        stages_per_rank=stages_per_rank,
-        first_stage_less_layers=first_stage_less_layers,
-        last_stage_less_layers=last_stage_less_layers,
-        split_points=split_points,
-        balance=balance,
-        seq_len=seq_len,
-        csv_path=csv_path,
-    )
+    plan = plan_pipeline(model, pp_degree, **split)
     name, names_per_stage, num_stages = plan.schedule, plan.names_per_stage, plan.num_stages
     n_microbatches = plan.n_microbatches
     stage_ids = plan.stage_ids_per_rank[pp_rank]
@@ -573,7 +554,7 @@ def build_pipeline(
         _skip_warmup_with_itself(stage, pp_rank)
     scaled = _MicrobatchLoss(loss_fn, n_microbatches)
 
-    if csv_path is not None:
+    if (csv_path := split.get("csv_path")) is not None:
         sched: _PipelineSchedule = _PipelineScheduleRuntime(
             stages, n_microbatches=n_microbatches, loss_fn=scaled, scale_grads=False
         )

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan_core.config import ConfigError
+from titan_core.messages import shortlist
 from titan_core.parallel_dims import ParallelDims
 from titan_core.protocols import TPPlan, TPStyle
 from titan_parallel.config import Parallelism
@@ -132,9 +133,9 @@ def check_tp_plan(model: nn.Module, plan: TPPlan, tp_degree: int) -> list[str]:
             missing += [f"layers.{block_name}.{n}" for n in names if not _has_path(block, n)]
     if missing:
         problems.append(
-            f"the tensor-parallel plan names modules the model does not have: {', '.join(missing[:5])}"
-            + (" ..." if len(missing) > 5 else "")
-            + "\nfix the model's tp_plan() to use module names relative to the root or to a block"
+            "the tensor-parallel plan names modules the model does not have:"
+            f" {shortlist(missing, 5)}\nfix the model's tp_plan() to use module names relative to"
+            " the root or to a block"
         )
     return problems
 

@@ -18,22 +18,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from titan_models.args import DEBUG_SIZE, DecoderArgs
 from titan_models.moe import MoEArgs
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Args:
-    dim: int = 7168
-    """Width of the residual stream (hidden_size)."""
-    n_layers: int = 61
-    """Number of transformer blocks."""
+class DeepSeekV3Args(DecoderArgs):
+    """DeepSeek-V3's shape: its own fields after the shared ones (`DecoderArgs`)."""
+
     n_dense_layers: int = 3
     """The first this many blocks have a dense feed-forward, the others experts
     (first_k_dense_replace)."""
-    n_heads: int = 128
-    """Attention heads."""
-    vocab_size: int = 129280
-    """Rows of the embedding table; the trainer replaces it with its tokenizer's."""
     hidden_dim: int = 18432
     """Hidden size of the dense SwiGLU feed-forward (intermediate_size)."""
     q_lora_rank: int = 1536
@@ -46,10 +41,6 @@ class DeepSeekV3Args:
     """Per-head query/key size with the rotary embedding (the key's is shared by all heads)."""
     v_head_dim: int = 128
     """Per-head value size."""
-    norm_eps: float = 1e-6
-    """Epsilon of the block and final RMSNorms (the latent norms use 1e-6, as DeepSeek's)."""
-    rope_theta: float = 10000.0
-    """Base of the rotary frequencies."""
     rope_factor: float = 40.0
     """YaRN: how much longer than `original_seq_len` the context is made; 1 turns YaRN off."""
     original_seq_len: int = 4096
@@ -60,34 +51,34 @@ class DeepSeekV3Args:
     """YaRN: dimensions rotating less than this often are fully interpolated."""
     mscale: float = 1.0
     """YaRN: the softmax scale is multiplied by (0.1 * mscale * ln(rope_factor) + 1) ** 2."""
-    max_seq_len: int = 163840
-    """Rows of the rotary table; the trainer sets it to training.seq_len."""
     moe: MoEArgs | None = None
     """The mixture of experts of the blocks after the first `n_dense_layers`; None: every block
     dense."""
-    tie_word_embeddings: bool = False
-    """Share one matrix between the token embedding and the output projection."""
-    depth_init: bool = True
-    """Scale the residual-writing projections by each block's depth (else by n_layers)."""
     n_mtp_layers: int = 0
     """Multi-token-prediction depth D (num_nextn_predict_layers): in training, D sequential
     layers after the blocks predict the tokens 2..D+1 positions ahead (`titan_models.mtp`);
     DeepSeek-V3 has 1. They are dropped for inference."""
+    # The shared fields' defaults: DeepSeek-V3's.
+    dim: int = 7168
+    n_layers: int = 61
+    n_heads: int = 128
+    vocab_size: int = 129280
+    norm_eps: float = 1e-6
+    """Epsilon of the block and final RMSNorms (the latent norms use 1e-6, as DeepSeek's)."""
+    rope_theta: float = 10000.0
+    max_seq_len: int = 163840
 
-    def __post_init__(self) -> None:
-        problems = []
+    def problems(self) -> list[str]:
+        out = []
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            problems.append(f"n_dense_layers {self.n_dense_layers} must be 0 .. n_layers")
+            out.append(f"n_dense_layers {self.n_dense_layers} must be 0 .. n_layers")
         if self.qk_rope_head_dim % 2:
-            problems.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+            out.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
         if self.rope_factor < 1:
-            problems.append(f"rope_factor {self.rope_factor} must be 1 (no YaRN) or more")
+            out.append(f"rope_factor {self.rope_factor} must be 1 (no YaRN) or more")
         if self.n_mtp_layers < 0:
-            problems.append(f"n_mtp_layers {self.n_mtp_layers} must be 0 (none) or more")
-        if self.moe is not None:
-            problems += self.moe.problems(self.dim)
-        if problems:
-            raise ValueError("DeepSeekV3Args: " + "; ".join(problems))
+            out.append(f"n_mtp_layers {self.n_mtp_layers} must be 0 (none) or more")
+        return out + (self.moe.problems(self.dim) if self.moe is not None else [])
 
     @property
     def qk_head_dim(self) -> int:
@@ -149,18 +140,15 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     # a dense block then experts in 4 groups of 2, two groups per token, a shared expert, and
     # a multi-token-prediction layer.
     "debugmodel": DeepSeekV3Args(
-        dim=256,
-        n_layers=6,
+        **DEBUG_SIZE,
         n_dense_layers=1,
         n_heads=8,
-        vocab_size=2048,
         hidden_dim=768,
         q_lora_rank=128,
         kv_lora_rank=64,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        max_seq_len=2048,
         # The reference's bias step (0.001) moves a bias by 0.05 in a 50-step run, too little
         # against this small model's collapse at lr 3e-3; 0.03 with an auxiliary loss of 0.3
         # measured best (trainer README, "Mixture of experts").
@@ -199,8 +187,3 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     "671B": DeepSeekV3Args(moe=_v3_moe(256, 8, 2048, groups=8, top_groups=4), n_mtp_layers=1),
 }
 """Named shapes; the official ones with their published vocabulary and YaRN settings."""
-
-
-def with_moe(args: DeepSeekV3Args, **changes) -> DeepSeekV3Args:
-    """`args` with fields of its MoEArgs changed (e.g. use_grouped_mm=False)."""
-    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **changes))

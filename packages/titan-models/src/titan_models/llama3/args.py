@@ -4,27 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_models.args import DEBUG_SIZE, DecoderArgs, head_problems
+
 
 @dataclass(frozen=True)
-class LlamaArgs:
-    dim: int = 4096
-    """Width of the residual stream (hidden size)."""
-    n_layers: int = 32
-    """Number of transformer blocks."""
-    n_heads: int = 32
-    """Number of query heads; head_dim = dim // n_heads."""
+class LlamaArgs(DecoderArgs):
+    """Llama 3's shape: its own fields after the shared ones (`DecoderArgs`, whose defaults are
+    Llama 3.1 8B's); head_dim = dim // n_heads."""
+
     n_kv_heads: int | None = None
     """Number of key/value heads (grouped-query attention); None means n_heads."""
-    vocab_size: int = 128256
-    """Rows of the embedding table; the trainer replaces it with its tokenizer's."""
     multiple_of: int = 256
     """The feed-forward hidden size is rounded up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
     """Scales the feed-forward hidden size (8/3 * dim) before rounding; None means 1."""
-    norm_eps: float = 1e-5
-    """Epsilon of every RMSNorm."""
-    rope_theta: float = 500000.0
-    """Base of the rotary position embedding frequencies."""
     use_rope_scaling: bool = True
     """Apply Llama 3.1's long-context frequency scaling to the rotary embedding."""
     rope_scaling_factor: float = 8.0
@@ -35,26 +28,9 @@ class LlamaArgs:
     """Wavelengths below original_max_seq_len / this are left alone."""
     rope_original_max_seq_len: int = 8192
     """Context length the model was pretrained at before the long-context extension."""
-    max_seq_len: int = 131072
-    """Rows of the rotary table; the trainer sets it to training.seq_len."""
-    tie_word_embeddings: bool = False
-    """Share one matrix between the token embedding and the output projection."""
-    depth_init: bool = True
-    """Scale the residual-writing projections by each block's depth (else by n_layers)."""
 
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(
-                f"LlamaArgs: dim {self.dim} is not divisible by n_heads {self.n_heads}"
-            )
-        if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"LlamaArgs: n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"LlamaArgs: head_dim {self.head_dim} must be even for rotary embeddings"
-            )
+    def problems(self) -> list[str]:
+        return head_problems(self.dim, self.n_heads, self.kv_heads)
 
     @property
     def kv_heads(self) -> int:
@@ -73,40 +49,19 @@ class LlamaArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-_LLAMA_3_2_ROPE = dict(
-    rope_scaling_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0
-)
+# What the Llama 3.2 shapes share: 8 kv heads, tied embeddings, rope scaling by 32.
+_LLAMA_3_2 = dict(n_kv_heads=8, multiple_of=256, tie_word_embeddings=True, rope_scaling_factor=32.0)
 
 llama3_flavors: dict[str, LlamaArgs] = {
     # Small enough for CPU tests; GQA (2 query heads per kv head) and rope scaling both exercised.
-    "debugmodel": LlamaArgs(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, max_seq_len=2048
-    ),
+    "debugmodel": LlamaArgs(**DEBUG_SIZE, n_heads=16, n_kv_heads=8),
     # About 104M non-embedding parameters, for throughput benchmarks.
     "100M": LlamaArgs(
         dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim_multiplier=1.5, max_seq_len=8192
     ),
     # Llama 3.2 shapes.
-    "1B": LlamaArgs(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.5,
-        multiple_of=256,
-        tie_word_embeddings=True,
-        **_LLAMA_3_2_ROPE,
-    ),
-    "3B": LlamaArgs(
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.0,
-        multiple_of=256,
-        tie_word_embeddings=True,
-        **_LLAMA_3_2_ROPE,
-    ),
+    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, **_LLAMA_3_2),
+    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0, **_LLAMA_3_2),
     # Llama 3.1 shapes.
     "8B": LlamaArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024

@@ -1,12 +1,13 @@
 """A mixture-of-experts feed-forward any model family can use (`MoE`), with top-k routing,
 grouped-matmul experts, shared experts and DeepSeek-V3's two load-balancing schemes."""
 
-from titan_models.moe.args import MoEArgs
+from titan_models.moe.args import HF_BALANCING, MoEArgs, with_moe
 from titan_models.moe.experts import GroupedExperts
 from titan_models.moe.layer import MoE, SwiGLU, moe_init_plan, swiglu_init_plan
 from titan_models.moe.router import TopKRouter
 
 __all__ = [
+    "HF_BALANCING",
     "GroupedExperts",
     "MoE",
     "MoEArgs",
@@ -14,4 +15,5 @@ __all__ = [
     "TopKRouter",
     "moe_init_plan",
     "swiglu_init_plan",
+    "with_moe",
 ]

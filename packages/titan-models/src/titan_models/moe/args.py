@@ -3,8 +3,9 @@ uses the layer (Qwen3-MoE, DeepSeek-V3, Llama 4)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 
 @dataclass
@@ -79,3 +80,16 @@ class MoEArgs:
         if dim <= 0 or self.hidden_dim <= 0:
             out.append("dim and hidden_dim must be positive")
         return out
+
+
+HF_BALANCING = dict(load_balance_coeff=None, aux_loss_alpha=1e-3, aux_loss_type="batch")
+"""Balancing as Hugging Face's Qwen3-MoE and Llama 4 have it: the batch-level auxiliary loss at
+their `router_aux_loss_coef` (0.001) and no expert bias, which their checkpoints cannot hold
+(so a trained model exports)."""
+
+A = TypeVar("A")
+
+
+def with_moe(args: A, **changes) -> A:
+    """A family's `args` with fields of its MoEArgs changed (e.g. use_grouped_mm=False)."""
+    return dataclasses.replace(args, moe=dataclasses.replace(args.moe, **changes))

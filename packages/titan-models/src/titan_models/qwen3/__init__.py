@@ -2,7 +2,8 @@
 
 from titan_core.protocols import ModelSpec
 from titan_models.attention import check_block_causal
-from titan_models.qwen3.args import Qwen3Args, qwen3_flavors, with_moe
+from titan_models.moe import with_moe
+from titan_models.qwen3.args import Qwen3Args, qwen3_flavors
 from titan_models.qwen3.flops import qwen3_flops_per_token, qwen3_param_count
 from titan_models.qwen3.hf_adapter import Qwen3HFAdapter
 from titan_models.qwen3.model import Qwen3Transformer
