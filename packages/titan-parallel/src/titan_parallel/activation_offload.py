@@ -35,27 +35,44 @@ class OffloadWrapper(ActivationWrapper):
     """A block whose saved activations live in host memory between forward and backward."""
 
     def forward(self, *args, **kwargs):
-        with offload_saved_tensors():
-            return self._checkpoint_wrapped_module(*args, **kwargs)
+        copies = _HostCopies()
+        try:
+            with copies.hooks():
+                return self._checkpoint_wrapped_module(*args, **kwargs)
+        finally:
+            copies.clear()
+
+
+class _HostCopies:
+    """The saved-tensor hooks of one block's forward. A tensor saved by several operations
+    (a block's normalised input, read by three projections) is copied once."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        # Keyed by identity, the tensor kept alongside so that its id is not reused while the
+        # block runs forward.
+        known = self._copies.get(id(tensor))
+        if known is not None and known[0] is tensor:
+            return known[1]
+        packed = _pack(tensor)
+        self._copies[id(tensor)] = (tensor, packed)
+        return packed
+
+    def clear(self) -> None:
+        # Autograd keeps the hooks (and so this object) with every saved tensor until
+        # backward: the device tensors must not stay referenced here.
+        self._copies.clear()
 
 
 def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that keep what autograd saves in host memory (see the module
-    docstring). A tensor saved by several operations (a block's normalised input, read by
-    three projections) is copied once within the block."""
-    copies: dict[int, tuple[torch.Tensor, object]] = {}
-
-    def pack(tensor: torch.Tensor):
-        # Keyed by identity, the tensor kept alongside so that its id is not reused while
-        # the block runs forward; the hooks (and these references) go when it returns.
-        known = copies.get(id(tensor))
-        if known is not None and known[0] is tensor:
-            return known[1]
-        packed = _pack(tensor)
-        copies[id(tensor)] = (tensor, packed)
-        return packed
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+    docstring), each saved tensor copied by itself."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 def _pack(tensor: torch.Tensor):
