@@ -69,7 +69,7 @@ def test_offloaded_blocks_give_the_same_gradients_and_keep_their_activations_on_
     compiled,
 ):
     compile = Compile(enable=True, backend="aot_eager") if compiled else None
-    want = _grads(_model(compile=compile))
+    want = _grads(_model())  # eager: one compilation less
     model = _model(ActivationCheckpoint(mode="none", cpu_offload=True), compile)
     assert all(isinstance(b, OffloadWrapper) for b in model.layers.values())
     # The state_dict keys are the unwrapped model's (checkpoints do not see the wrapper).
@@ -77,11 +77,15 @@ def test_offloaded_blocks_give_the_same_gradients_and_keep_their_activations_on_
     with host_memory_separate():
         got = _grads(model)
         moved = offloaded_bytes()
-    # Same kernels on the same values: the copies to the host and back are exact.
+    # Eager: the same kernels on the same values, and the copies to the host and back are
+    # exact. Compiled (aot_eager): the traced graph's ops, fp32 rounding at most.
     got, want = _strip(got), _strip(want)
     assert got.keys() == want.keys()
     for name, g in got.items():
-        assert torch.equal(g, want[name]), name
+        if compiled:
+            torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7)
+        else:
+            assert torch.equal(g, want[name]), name
     assert moved > 0  # the hooks saw the blocks' (compiled blocks': the graphs') saved tensors
 
 
