@@ -17,7 +17,7 @@ from titan_core.device import resolve_device_type
 from titan_trainer.config import JobConfig
 from titan_trainer.fault_tolerance import fault_tolerance_problems
 from titan_trainer.logs import rank_problems
-from titan_trainer.optimizer import optimizer_problem
+from titan_trainer.optimizer import optimizer_factory, optimizer_problem
 from titan_trainer.param_groups import group_preflight_problems, resumed_checkpoint
 
 
@@ -606,16 +606,16 @@ def _checkpoint_space_problems(config: JobConfig, spec, vocab_size: int, notes) 
     ckpt = config.checkpoint
     if not ckpt.enable or ckpt.create_seed_checkpoint:
         return []
-    check = getattr(resolve(plugins.CHECKPOINTERS, ckpt.checkpointer), "check_space", None)
-    if check is None:
-        return []
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
     with torch.device("meta"):
         model = spec.build(model_args_for(spec, config, vocab_size))
     params = list(model.parameters())
     state_bytes = sum(p.numel() * p.element_size() for p in params) + int(
         sum(p.numel() for p in params) * 4 * optimizer_state_copies(config.optimizer)
     )
-    problems, note = check(ckpt, config.job.dump_folder, state_bytes, config.training.steps)
+    problems, note = factory.check_space(
+        ckpt, config.job.dump_folder, state_bytes, config.training.steps
+    )
     if note:
         notes.append(note)
     return problems
@@ -623,15 +623,6 @@ def _checkpoint_space_problems(config: JobConfig, spec, vocab_size: int, notes) 
 
 def optimizer_state_copies(optimizer) -> float:
     """Parameter-sized copies the optimizer of an [optimizer] section keeps, in units of the
-    (float32) parameters' bytes: Adam's two moments; Ranger21's moments (three with
-    positive-negative momentum, MADGRAD's two sums and its x0) and Lookahead's slow weights;
-    bfloat16 moments count half. An optimizer from a plugin is assumed to keep Adam's two."""
-    moment = 0.5 if optimizer.state_dtype == "bfloat16" else 1.0
-    if optimizer.name == "Ranger21":
-        r = optimizer.ranger21
-        if r.core == "madgrad":
-            copies = 2 * moment + 1
-        else:
-            copies = (3 if r.pnm else 2) * moment
-        return copies + (1 if r.lookahead else 0)
-    return 2 * moment
+    (float32) parameters' bytes, as the optimizer's factory reports them
+    (`titan_core.OptimizerFactory.state_copies`)."""
+    return optimizer_factory(optimizer.name).state_copies(optimizer)

@@ -45,21 +45,9 @@ do not read them again."""
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    # These two answer without importing torch (seconds): launch scripts call them.
-    if "--list-configs" in args:
-        print(describe_shipped())
-        return 0
-    if "--config-path" in args:
-        rest = args[args.index("--config-path") + 1 :]
-        if not rest:
-            print("usage: titan-train --config-path NAME_OR_FILE", file=sys.stderr)
-            return 2
-        try:
-            print(find_config_file(rest[0]).resolve())
-        except ValueError as e:  # titan_core.ConfigError
-            print(e, file=sys.stderr)
-            return 2
-        return 0
+    answered = answer_without_torch(args)
+    if answered is not None:
+        return answered
 
     from titan_core import (
         ConfigError,
@@ -107,15 +95,42 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(ConfigError(problems), file=sys.stderr)
         return 2
-    from titan_core import CheckpointError, RunFolderError, get_logger
-    from titan_trainer.comm import CollectiveError
-    from titan_trainer.guards import NonFiniteStepError, StartupError
+    from titan_core import get_logger
 
     said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
     for note in notes:
         get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
     if check_only:
         return 0
+    return run_training(config)
+
+
+def answer_without_torch(args: list[str]) -> int | None:
+    """`--list-configs` and `--config-path NAME`, answered without importing torch (seconds):
+    launch scripts call them. The exit status, or None for anything else."""
+    if "--list-configs" in args:
+        print(describe_shipped())
+        return 0
+    if "--config-path" in args:
+        rest = args[args.index("--config-path") + 1 :]
+        if not rest:
+            print("usage: titan-train --config-path NAME_OR_FILE", file=sys.stderr)
+            return 2
+        try:
+            print(find_config_file(rest[0]).resolve())
+        except ValueError as e:  # titan_core.ConfigError
+            print(e, file=sys.stderr)
+            return 2
+        return 0
+    return None
+
+
+def run_training(config) -> int:
+    """Train the checked `config` on this process; the exit status says how the run ended,
+    and a problem the user can act on is one message, without a traceback."""
+    from titan_core import CheckpointError, ConfigError, RunFolderError
+    from titan_trainer.comm import CollectiveError
+    from titan_trainer.guards import NonFiniteStepError, StartupError
     from titan_trainer.train import train
 
     try:

@@ -257,9 +257,9 @@ class StepGuard:
 
 
 def skipped_rows_total(loader, dp_mesh, device: torch.device) -> int:
-    """Bad rows the data-parallel ranks' loaders have skipped, summed (0 for loaders that do not
-    count them). A collective over `dp_mesh`; called at logging steps only."""
-    count = torch.tensor([float(getattr(loader, "skipped_rows", 0))])
+    """Bad rows the data-parallel ranks' loaders have skipped (`StatefulLoader.skipped_rows`),
+    summed. A collective over `dp_mesh`; called at logging steps only."""
+    count = torch.tensor([float(loader.skipped_rows)])
     if dp_mesh is None:
         return int(count.item())
     count = count.to(device if dp_mesh.device_type != "cpu" else "cpu")

@@ -121,7 +121,7 @@ class ParallelRuntime:
         this seed (a function of seed and parameter name; see `titan_core.init`). With
         `parameters=False` only buffers are rebuilt: the weights come from a checkpoint."""
         for part in parts:
-            if parameters or not hasattr(part, "init_buffers"):
+            if parameters:
                 titan_parallel.init_weights_exact(part, self.seed, buffer_device=self.device)
             else:
                 part.init_buffers(self.device)
@@ -133,9 +133,17 @@ class ParallelRuntime:
 
     # ------------------------------------------------------------------ steps
     def forward_backward(
-        self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor, scale: float
+        self,
+        parts: list[nn.Module],
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        scale: float,
+        *,
+        mark: Callable[[str], None] | None = None,
     ) -> torch.Tensor:
-        """Loss of one microbatch times `scale` (detached); gradients accumulate."""
+        """Loss of one microbatch times `scale` (detached); gradients accumulate. `mark`, when
+        given, is called with "forward" once the loss is computed and "backward" once the
+        gradients are (not under pipeline parallel, whose schedule interleaves the two)."""
         self._scale = scale
         inputs, labels = self._own_batch(inputs, labels)
         kwargs = self.model_kwargs(inputs)
@@ -147,7 +155,11 @@ class ParallelRuntime:
                 )
             (model,) = parts
             loss = self._scaled_loss(model(inputs, **kwargs), labels)
+            if mark is not None:
+                mark("forward")
             loss.backward()
+        if mark is not None:
+            mark("backward")
         return _plain(loss.detach())
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from titan_core import get_logger
 from titan_trainer.guards import build_checked_loader
-from titan_trainer.loader_state import plugin_kwargs
 
 log = get_logger("validate")
 
@@ -44,7 +43,6 @@ class Validator:
             infinite=False,
             bad_rows=bad_rows,
         )
-        kwargs = plugin_kwargs(data.build_dataloader, kwargs, plugin)
         self.build = lambda: build_checked_loader(data, section="validation", **kwargs)
 
     def due(self, step: int) -> bool:
