@@ -42,6 +42,7 @@ from titan_core import (
     resolve,
     supports_bf16,
 )
+from titan_parallel.activation_offload import offloaded_bytes
 from titan_parallel.memory_estimate import (
     GiB,
     MemoryBreakdown,
@@ -53,6 +54,7 @@ from titan_parallel.memory_estimate import (
 )
 from titan_trainer.checks import model_args_for, parallel_dims_for, preflight_problems
 from titan_trainer.config import JobConfig
+from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
 from titan_trainer.precision import target_compute_dtype
@@ -69,6 +71,9 @@ class RoleResult:
     step: MemoryBreakdown
     init_peak: int
     checkpoint_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    offloaded: int = 0
+    """Bytes of activations one step moves to host memory ([activation_checkpoint]
+    cpu_offload; simulated GPU runs only)."""
     rss_peak: int | None = None
     """Measured runs only: the peak by the operating system's count: what persisted before the
     step plus how far the process's resident set rose during it."""
@@ -208,7 +213,12 @@ def measure_rank(
     dims = parallel_dims_for(config, world_size)
     dims.build_mesh("cpu")
     dtype = target_compute_dtype(config.training.mixed_precision_param)
-    if not fake and dtype == torch.bfloat16 and not supports_bf16(torch.device("cpu")):
+    if (
+        not fake
+        and dtype == torch.bfloat16
+        and config.training.dtype == "float32"  # bf16 parameters compute in bf16 everywhere
+        and not supports_bf16(torch.device("cpu"))
+    ):
         dtype = torch.float32  # what the trainer itself would compute in here
     seed = config.training.seed or 0
     runtime = build_parallel_runtime(
@@ -235,6 +245,7 @@ def measure_rank(
         resident = 0 if fake else resident_bytes(parts, optimizer)
         with rss or contextlib.nullcontext(), _kernels(kernels):
             breakdown = estimate_step_memory(parts, optimizer, step, warmup_steps=0)
+            offloaded = offloaded_bytes() if kernels == "cuda" else 0
         shapes = _state_shapes(parts)
     return RoleResult(
         role,
@@ -242,6 +253,7 @@ def measure_rank(
         breakdown,
         init_peak,
         shapes,
+        offloaded,
         None if rss is None else resident + rss.growth,
     )
 
@@ -411,7 +423,7 @@ def dry_run(config: JobConfig, out=print) -> int:
             f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
             f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
         )
-    for note in notes:
+    for note in [*notes, *memory_mode_notes(config, sim.worst.offloaded)]:
         out(f"note: {note}")
     out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
     if problems:
@@ -440,8 +452,8 @@ def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
 
     dims = parallel_dims_for(config, world_size)
     t = config.training
-    dtype = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
-    extra = [f"AC {config.activation_checkpoint.mode}"]
+    dtype = dtype_text(t)
+    extra = [ac_text(config.activation_checkpoint)]
     if config.model.converters:
         extra.append(", ".join(config.model.converters))
     if dims.pp_enabled:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import titan_parallel
 from titan_core import ConfigError, ParallelDims, get_logger
 from titan_trainer.loss import with_mtp
-from titan_trainer.precision import DTYPES
+from titan_trainer.precision import DTYPES, cast_parameters_
 
 log = get_logger("parallel")
 
@@ -79,7 +79,11 @@ class ParallelRuntime:
         for part in parts:
             self.parallelize_part(part)
         self.autocast = (
-            None if (self._fsdp_mixed_precision or self.dtype == torch.float32) else self.dtype
+            None
+            if self._fsdp_mixed_precision
+            or self.dtype == torch.float32
+            or self.config.training.dtype == "bfloat16"  # parameters compute in bf16 as they are
+            else self.dtype
         )
         if self.dims.cp_enabled:
             self._cp_buffers = [_cp_buffers(part) for part in parts]
@@ -92,6 +96,8 @@ class ParallelRuntime:
     def parallelize_part(self, part: nn.Module) -> None:
         """TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP on one model part."""
         cfg = self.config
+        if cfg.training.dtype != "float32":  # no float32 master copy ([training] dtype)
+            cast_parameters_(part, DTYPES[cfg.training.dtype])
         titan_parallel.parallelize(
             part,
             self.dims,

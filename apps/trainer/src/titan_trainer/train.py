@@ -200,7 +200,9 @@ def set_up_layout(config: JobConfig, info: DistInfo) -> tuple[ParallelDims, torc
     mesh = dims.build_mesh(info.device.type)
     seed = config.training.seed if config.training.seed is not None else 0
     set_seed(seed, mesh, vary_over=(), deterministic=config.training.deterministic)
-    dtype = compute_dtype(config.training.mixed_precision_param, info.device)
+    dtype = compute_dtype(
+        config.training.mixed_precision_param, info.device, params=config.training.dtype
+    )
     log.info(
         "%s | %d processes on %s | %s | compute %s",
         config.job.description,
