@@ -8,6 +8,7 @@
     uv run nox -s bench                    # benchmarks (not in the default set)
     uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
     uv run nox -s slow                     # tests marked slow (not in the default set)
+    uv run nox -s tests-avx2               # the default tests as on an AVX2-only CPU
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
 a venv of their own: torch is large and the lock already pins it. Isolated sessions build
@@ -346,12 +347,7 @@ def gpu(session: nox.Session) -> None:
     CUDA GPU: the README's main job, each shipped config shrunk to fit it, Float8, MoE,
     validation, generation, memory). Without a GPU each is reported skipped with its reason.
     Where torch is preinstalled and nothing can be downloaded: tools/gpu_bundle.py."""
-    for dist in PACKAGES:
-        session.run(
-            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "gpu",
-            "-rs", f"--durations={DURATIONS}", *session.posargs,
-            success_codes=[0, 5],  # 5: none of this package's tests is marked gpu
-        )  # fmt: skip
+    _marked(session, "gpu", "-rs")
 
 
 @nox.session(venv_backend="none")
@@ -359,12 +355,48 @@ def slow(session: nox.Session) -> None:
     """The tests marked `slow`, of every package, in the workspace env (not in the default set):
     checks the default suite runs at a smaller size, at the size their claim is about (the
     sharded Hugging Face import/export of a 313 MB model on 4 ranks)."""
+    _marked(session, "slow", "-s")
+
+
+def _marked(session: nox.Session, marker: str, *options: str) -> None:
+    """The tests marked `marker`, of every package, in the workspace env."""
     for dist in PACKAGES:
         session.run(
-            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", "slow",
-            "-s", f"--durations={DURATIONS}", *session.posargs,
-            success_codes=[0, 5],  # 5: none of this package's tests is marked slow
+            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-m", marker,
+            *options, f"--durations={DURATIONS}", *session.posargs,
+            success_codes=[0, 5],  # 5: none of this package's tests is marked `marker`
         )  # fmt: skip
+
+
+# What an AVX2-only CPU (no AVX-512, no bf16 instructions) runs, forced on any x86 CPU: torch's
+# own kernels dispatch to AVX2 (ATEN_CPU_CAPABILITY, which titan_core.supports_bf16 reads too)
+# and oneDNN's matmuls use no ISA above it (ONEDNN_MAX_CPU_ISA).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@nox.session(name="tests-avx2", venv_backend="none")
+def tests_avx2(session: nox.Session) -> None:
+    """Every package's default tests as on an AVX2-only CPU (AVX2_ENV), in the workspace env.
+    Not in the default set (it repeats it); run it where CI's machines may lack AVX-512 or bf16
+    and the machine at hand has them. `uv run nox -s tests-avx2 -- -k bench` narrows it."""
+    session.run("uv", "run", "--frozen", "python", "-c", _CAPABILITY, env=AVX2_ENV)
+    # Inductor's own cache for this session: kernels compiled for the CPU's full ISA by other
+    # runs are not reused here.
+    inductor_cache = {"TORCHINDUCTOR_CACHE_DIR": str(Path(session.create_tmp()) / "inductor")}
+    for dist in PACKAGES:
+        session.run(
+            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-q",
+            "-m", "not slow", f"--durations={DURATIONS}", *session.posargs,
+            env={**TEST_ENV, **AVX2_ENV, **inductor_cache},
+            success_codes=[0, 5],  # 5: -k selected none here
+        )  # fmt: skip
+
+
+_CAPABILITY = (
+    "import torch, titan_core; c = torch.backends.cpu.get_cpu_capability();"
+    " print('torch dispatches to', c, '| native bf16:', titan_core.supports_bf16(torch.device('cpu')));"
+    " assert c in ('AVX2', 'DEFAULT'), c"
+)
 
 
 @nox.session(name="dryrun-405b", venv_backend="none")

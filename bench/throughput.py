@@ -9,8 +9,9 @@ lines.
 Each variant (a list of trainer flags, `;` between variants) builds the model the way
 `titan-train` does: the trainer's config, model build (meta device, converters, TP -> AC ->
 compile -> FSDP), initialisation, loader, optimizer, LR schedule and non-finite guard. Then
-the steps of every variant are interleaved round-robin, so a noisy machine slows them alike,
-and each step is timed in parts:
+the steps of every variant are interleaved round-robin, so a noisy machine slows them alike.
+Each step is the trainer's own (`titan_trainer.step.train_step`, between the LR schedule's
+`apply` and `step` as the train loop runs it), timed in parts at the points the step marks:
 
 - `data`: the next batch from the loader (and its copy to the device);
 - `forward`: the model and the loss; `backward`: the loss's backward;
@@ -50,8 +51,9 @@ from titan_core.distributed import destroy_distributed
 from titan_trainer.config import JobConfig
 from titan_trainer.guards import StepGuard
 from titan_trainer.lr_schedule import build_lr_scheduler
-from titan_trainer.metrics import format_line
+from titan_trainer.metrics import StepTimer, format_line
 from titan_trainer.optimizer import build_optimizer, current_lr
+from titan_trainer.step import train_step
 from titan_trainer.train import (
     build_converters,
     build_loader,
@@ -118,8 +120,9 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
         batches = iter(build_loader(config, data, tokenizer, dims))
     else:
         batches = synthetic_batches(args.batch_size, args.seq_len, vocab)
-    (model,) = parts
     device = info.device
+    accum = 1  # one microbatch per step: the batch is the local batch
+    timer = StepTimer()  # the trainer's data-time counter (the bench times each part itself)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -127,26 +130,17 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
 
     def step(number: int) -> dict[str, float]:
         t = {"start": time.perf_counter()}
-        optimizer.zero_grad(set_to_none=True)
-        inputs, labels = next(batches)
-        inputs = inputs.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        sync()
-        t["data"] = time.perf_counter()
-        with runtime._contexts(parts, inputs, labels):
-            loss = runtime.loss_fn(model(inputs), labels)
+
+        def mark(phase: str) -> None:  # the end of each part of the trainer's step
             sync()
-            t["forward"] = time.perf_counter()
-            loss.backward()
-        sync()
-        t["backward"] = time.perf_counter()
-        grad_norm = runtime.clip_grad_norm(parts, config.training.max_norm)
-        loss = runtime.reduce_loss(loss.detach())
-        if guard.before_step(number, loss, grad_norm, local_loss=loss):
-            optimizer.step()
+            t[phase] = time.perf_counter()
+
+        scheduler.apply()
+        train_step(
+            runtime, parts, optimizer, batches, accum, timer, config, guard, number, mark=mark
+        )
         scheduler.step()
-        sync()
-        t["optimizer"] = time.perf_counter()
+        mark("optimizer")  # clipping, the non-finite check, the optimizer and schedule steps
         if number % config.metrics.log_freq == 0:
             rows = guard.read()  # the trainer's one read-back per logged step
             line = format_line(number, _metrics(rows[-1], optimizer))

@@ -5,8 +5,10 @@ be held back until the killed group is back, so that the run does not end withou
 
 Configured by environment:
   FT_KILL_AT: the batch (counted from 1) before which this group's process dies;
-  FT_RESTART_DELAY_S: the restarted group waits this long when its loader is built, before it
-    asks to join the others (a slow restart: a replacement node, a long start-up);
+  FT_PASSED_FILE, FT_PASSED_AT: a group of the first attempt creates the file when it reads its
+    FT_PASSED_AT-th batch (it has taken the steps before it); the restarted group waits for the
+    file when its loader is built (at most FT_HOLD_MAX_S seconds), before it asks to join the
+    others (a slow restart: a replacement node, a long start-up, as long as the test needs);
   FT_BACK_FILE: a file the restarted group creates when it reads its FT_BACK_AT-th batch (1);
   FT_SLOW_SECONDS, FT_HOLD_AT: until that file exists, sleep this long before each batch, and
     wait for the file before batch FT_HOLD_AT (at most FT_HOLD_MAX_S seconds), then
@@ -27,13 +29,17 @@ class ReplicaTestLoader(WrappedLoader):
         super().__init__(inner)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.batches = 0  # over the loader's whole life, resumed or not
-        if self.attempt > 0:  # the trainer builds the loader before it joins the replica groups
-            time.sleep(float(os.environ.get("FT_RESTART_DELAY_S", "0")))
+        if self.attempt > 0 and "FT_PASSED_FILE" in os.environ:
+            # The trainer builds the loader before it joins the replica groups.
+            _wait_for(Path(os.environ["FT_PASSED_FILE"]))
 
     def __iter__(self):
         back = Path(os.environ["FT_BACK_FILE"]) if "FT_BACK_FILE" in os.environ else None
+        passed = os.environ.get("FT_PASSED_FILE")
         for batch in self.inner:
             self.batches += 1
+            if passed and self.attempt == 0 and self.batches == int(os.environ["FT_PASSED_AT"]):
+                Path(passed).touch()
             if self.attempt == 0 and self.batches == int(os.environ.get("FT_KILL_AT", "0")):
                 os.kill(os.getpid(), signal.SIGKILL)
             if back is not None and self.attempt > 0:
@@ -41,13 +47,17 @@ class ReplicaTestLoader(WrappedLoader):
                     back.touch()
             elif back is not None and not back.exists() and "FT_SLOW_SECONDS" in os.environ:
                 if self.batches >= int(os.environ["FT_HOLD_AT"]):
-                    deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
-                    while not back.exists() and time.monotonic() < deadline:
-                        time.sleep(0.1)
+                    _wait_for(back)
                     time.sleep(float(os.environ.get("FT_HOLD_EXTRA_S", "0")))
                 else:
                     time.sleep(float(os.environ["FT_SLOW_SECONDS"]))
             yield batch
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 data_spec = ReplicaTestLoader.spec("replica_test")

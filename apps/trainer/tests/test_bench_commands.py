@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -158,10 +159,17 @@ def _bench_readme_commands(script: str) -> list[str]:
     ]
 
 
+def _run_in_repo(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
 def test_bench_readme_throughput_commands_run_at_toy_sizes():
     commands = _bench_readme_commands("throughput.py")
     assert len(commands) == 3, commands
-    compiled_commands = 0
+    runs = []
     for command in commands:
         argv = shlex.split(command)
         assert argv[:3] == ["uv", "run", "python"]
@@ -169,18 +177,19 @@ def test_bench_readme_throughput_commands_run_at_toy_sizes():
         # others take the same compile path without the C++ compiler's half a minute, the way
         # the trainer's other compiled tests do.
         compiled = "--compile.enable" in command
-        compiled_commands += compiled
         backend = (
-            ["--", "--compile.backend", "aot_eager"] if compiled and compiled_commands > 1 else []
+            ["--", "--compile.backend", "aot_eager"]
+            if compiled and any("--compile.enable" in c for c, _ in runs)
+            else []
         )
-        done = subprocess.run(
-            [sys.executable, *argv[3:], *TOY, *backend],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        runs.append((command, [sys.executable, *argv[3:], *TOY, *backend]))
+    # Side by side: each is one process on one thread, and the machine has more cores.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done_all = list(pool.map(_run_in_repo, [cmd for _, cmd in runs]))
+    compiled_commands = 0
+    for (command, _), done in zip(runs, done_all, strict=True):
+        argv = shlex.split(command)
+        compiled_commands += "--compile.enable" in command
         assert done.returncode == 0, command + "\n" + done.stderr[-3000:]
         records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         flags = dict(zip(argv[3::1], argv[4::1]))

@@ -186,9 +186,12 @@ def test_survivors_keep_stepping_and_the_restarted_group_catches_up(tmp_path, st
     _check_command_shape()
     back = tmp_path / "back"
     hold = 12  # survivors wait for the restarted group before this batch
-    envs = {g: {"FT_BACK_FILE": str(back), "FT_SLOW_SECONDS": "0.3", "FT_HOLD_AT": str(hold)}
+    # The killed group stays away until the others have taken two steps without it (they
+    # read batch KILL_AT + 2), then restarts.
+    envs = {g: {"FT_BACK_FILE": str(back), "FT_SLOW_SECONDS": "0.3", "FT_HOLD_AT": str(hold),
+                "FT_PASSED_FILE": str(tmp_path / "passed"), "FT_PASSED_AT": str(KILL_AT + 2)}
             for g in range(GROUPS)}  # fmt: skip
-    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_RESTART_DELAY_S": "15"}  # away a while
+    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT)}
     procs = _start_groups(
         start_lighthouse(),
         tmp_path,
@@ -248,17 +251,17 @@ def test_with_every_group_required_the_run_ends_as_if_nothing_failed(tmp_path, s
 def test_diloco_groups_train_on_without_a_killed_group_and_end_equal(tmp_path, start_lighthouse):
     """DiLoCo (synchronising every 4 steps) with one of three groups killed at step 6: the
     others synchronise without it at step 8; restarted from its checkpoint of step 4 (slowly:
-    it waits 15 s, so that it misses that synchronisation), it joins a later one (the others
-    wait for it before step 12), receives the state, DiLoCo's included, and at the last step,
+    it waits until the others have read batch 9, so that it misses that synchronisation), it
+    joins a later one (the others wait for it before step 12), receives the state, DiLoCo's included, and at the last step,
     a synchronisation of all three, every group holds the same weights."""
     _check_command_shape()
     back = tmp_path / "back"
     envs = {
         g: {"FT_BACK_FILE": str(back), "FT_SLOW_SECONDS": "0.1", "FT_HOLD_AT": "12",
-            "FT_HOLD_EXTRA_S": "3"}
+            "FT_HOLD_EXTRA_S": "3", "FT_PASSED_FILE": str(tmp_path / "passed"), "FT_PASSED_AT": "9"}
         for g in range(GROUPS)
     }  # fmt: skip
-    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_BACK_AT": "4", "FT_RESTART_DELAY_S": "15"}
+    envs[KILLED] |= {"FT_KILL_AT": str(KILL_AT), "FT_BACK_AT": "4"}
     args = [*SMALL, "--fault_tolerance.min_replica_size", "2",
             "--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "4"]  # fmt: skip
     outputs = _finish(_start_groups(start_lighthouse(), tmp_path, args, envs), tmp_path)

@@ -195,7 +195,7 @@ def test_the_suggestions_for_a_mixture_of_experts_model_include_expert_parallel(
 def test_the_restart_notice_under_fault_tolerance_says_a_live_group_heals_it():
     import logging
 
-    from titan_trainer.train import restart_notice
+    from titan_trainer.restarts import restart_notice
 
     level, text = restart_notice(3, checkpointing=False, fault_tolerance=False)
     assert level == logging.WARNING and "a restart trains again from step 0" in text

@@ -184,7 +184,8 @@ def train_case(world: int, model_name: str, layout: str) -> dict:
     from titan_trainer.experts import ExpertLoad
     from titan_trainer.optimizer import build_optimizer
     from titan_trainer.parallel import build_parallel_runtime
-    from titan_trainer.train import _pipeline_microbatches, cross_entropy_loss
+    from titan_trainer.step import pipeline_microbatches as _pipeline_microbatches
+    from titan_trainer.train import cross_entropy_loss
 
     cfg = job_config(**LAYOUTS[layout])
     dims = cfg.parallelism.build_parallel_dims(world)

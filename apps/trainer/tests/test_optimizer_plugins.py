@@ -217,3 +217,22 @@ def test_the_memory_check_counts_each_optimizers_own_states():
     p.grad = torch.ones(8, 4)
     opt = Ranger21([p], total_steps=10, core="madgrad", lookahead=False)
     assert optimizer_state_copies(ranger) == allocated(opt, p) == 3
+
+
+def test_the_memory_check_asks_a_third_party_optimizer_for_its_state():
+    """An optimizer plugin reports the state it keeps per parameter (`state_copies`): the
+    memory and disk checks count SGD with momentum's one buffer, not Adam's two."""
+    from titan_trainer.checks import optimizer_state_copies
+    from titan_trainer.config import Optimizer
+
+    sgd = Optimizer(name="third_party_optim:build", beta1=0.9)
+    p = torch.nn.Parameter(torch.ones(8, 4))
+    p.grad = torch.ones(8, 4)
+    opt = third_party_optim.build([p], sgd, total_steps=1, dims=_OneProcess())
+    opt.step()
+    kept = sum(v.numel() for v in opt.state[p].values() if v.dim() > 0) / p.numel()
+    assert optimizer_state_copies(sgd) == kept == 1
+
+
+class _OneProcess:
+    world_size = 1

@@ -4,13 +4,18 @@ same command resumes from it, repeating the uninterrupted run's steps bit for bi
 
 from __future__ import annotations
 
-import logging
-import os
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import parse_losses, run_cli
 
 from titan_ckpt import list_checkpoints
+
+# The S3 server of titan-ckpt's remote-storage tests, one for both (the trainer's tests run in
+# the workspace, beside that package's).
+sys.path.append(str(Path(__file__).resolve().parents[3] / "packages/titan-ckpt/tests"))
+from s3_server import s3_server  # noqa: E402
 
 URL = "s3://titan/debug/checkpoint"
 
@@ -20,34 +25,9 @@ def s3():
     """A server on a free port of the loopback, reached by the trainer's processes through
     the environment they inherit; yields an s3fs file system on it."""
     import s3fs  # noqa: PLC0415
-    from moto.server import ThreadedMotoServer  # noqa: PLC0415
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "titan-test",
-        "AWS_SECRET_ACCESS_KEY": "titan-test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "NO_PROXY": "127.0.0.1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("titan")
-    try:
-        yield fs
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
+    with s3_server("titan"):
+        yield s3fs.S3FileSystem()
 
 
 def test_train_checkpoints_to_s3_and_resumes_bitwise(s3, debug_args):

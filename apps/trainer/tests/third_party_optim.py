@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from titan_core import OptimizerPlugin
+
 CALLS: list[dict] = []
 
 
-def build(params, config, *, total_steps, dims):
-    CALLS.append({"lr": config.lr, "total_steps": total_steps, "world": dims.world_size})
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.beta1)
+class SGDFactory(OptimizerPlugin):
+    def __call__(self, params, config, *, total_steps, dims):
+        CALLS.append({"lr": config.lr, "total_steps": total_steps, "world": dims.world_size})
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.beta1)
+
+    def state_copies(self, config) -> float:
+        return 1.0  # the momentum buffer
+
+
+build = SGDFactory()

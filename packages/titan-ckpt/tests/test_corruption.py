@@ -6,39 +6,15 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 
 import corrupt
 import pytest
 import torch
 from ckpt_toy import assert_same, build_run, full_model, train
+from conftest import ckpt_manager as _manager
 
-from titan_ckpt import Checkpoint, CheckpointLoadError, CheckpointManager, checkpoint_problems
+from titan_ckpt import CheckpointLoadError, checkpoint_problems
 from titan_ckpt.cli import main as titan_ckpt
-
-
-def _manager(run, folder, **cfg):
-    return CheckpointManager(Checkpoint(enable=True, interval=2, **cfg), run.states(), folder)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """step-2 and step-4 of a toy run, and the model as it was at step 2."""
-    folder = tmp_path_factory.mktemp("saved")
-    run = build_run()
-    manager = _manager(run, folder)
-    train(run, 2, manager)
-    at_2 = full_model(run.model)
-    train(run, 2, manager)
-    manager.close()
-    return folder, at_2
-
-
-@pytest.fixture
-def folder(saved, tmp_path):
-    copy = tmp_path / "ckpt"
-    shutil.copytree(saved[0], copy)
-    return copy
 
 
 def _step4_data(folder):

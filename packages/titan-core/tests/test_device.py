@@ -12,6 +12,7 @@ from titan_core import (
     init_logging,
     lookup_peak_flops,
     resolve_device_type,
+    supports_bf16,
 )
 
 
@@ -102,3 +103,25 @@ def test_log_to_file_keeps_every_line_from_the_first_and_the_error_that_ended_it
     assert "after the file" not in path.read_text()
     out = capsys.readouterr().out
     assert "before the file" not in out and "inside" in out and "after the file" in out
+
+
+def test_bf16_on_a_cpu_follows_its_instructions_and_the_isa_torch_dispatches_to():
+    """Native bf16 on a CPU needs the instructions (torch's cpuinfo) and torch's kernels using
+    them: with `ATEN_CPU_CAPABILITY=avx2` torch computes as on an AVX2-only CPU, and
+    `supports_bf16` says no there, whatever this CPU has (how CI checks an AVX2 machine)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch, titan_core; print(torch.backends.cpu.get_cpu_capability(),"
+        " titan_core.supports_bf16(torch.device('cpu')))"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", probe], env=env, capture_output=True, text=True
+    )
+    assert out.stdout.split() == ["AVX2", "False"], out.stderr
+    here = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    native_isa = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+    assert supports_bf16(torch.device("cpu")) == (here and native_isa)

@@ -13,7 +13,7 @@ import torch
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
 from titan_trainer.config import JobConfig
 from titan_trainer.layout import Layout
-from titan_trainer.optimizer import optimizer_problem
+from titan_trainer.optimizer import optimizer_factory, optimizer_problem
 
 
 def _plugin_problem(group: str, key: str, name: str) -> str | None:
@@ -339,15 +339,6 @@ def block_causal_device_problem(config: JobConfig, device: torch.device) -> str 
 
 def optimizer_state_copies(optimizer) -> float:
     """Parameter-sized copies the optimizer of an [optimizer] section keeps, in units of the
-    (float32) parameters' bytes: Adam's two moments; Ranger21's moments (three with
-    positive-negative momentum, MADGRAD's two sums and its x0) and Lookahead's slow weights;
-    bfloat16 moments count half. An optimizer from a plugin is assumed to keep Adam's two."""
-    moment = 0.5 if optimizer.state_dtype == "bfloat16" else 1.0
-    if optimizer.name == "Ranger21":
-        r = optimizer.ranger21
-        if r.core == "madgrad":
-            copies = 2 * moment + 1
-        else:
-            copies = (3 if r.pnm else 2) * moment
-        return copies + (1 if r.lookahead else 0)
-    return 2 * moment
+    (float32) parameters' bytes, as the optimizer's factory reports them
+    (`titan_core.OptimizerFactory.state_copies`)."""
+    return optimizer_factory(optimizer.name).state_copies(optimizer)

@@ -45,21 +45,9 @@ do not read them again."""
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    # These two answer without importing torch (seconds): launch scripts call them.
-    if "--list-configs" in args:
-        print(describe_shipped())
-        return 0
-    if "--config-path" in args:
-        rest = args[args.index("--config-path") + 1 :]
-        if not rest:
-            print("usage: titan-train --config-path NAME_OR_FILE", file=sys.stderr)
-            return 2
-        try:
-            print(find_config_file(rest[0]).resolve())
-        except ValueError as e:  # titan_core.ConfigError
-            print(e, file=sys.stderr)
-            return 2
-        return 0
+    answered = answer_without_torch(args)
+    if answered is not None:
+        return answered
 
     from titan_core import (
         ConfigError,
@@ -68,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         load_config,
         plugins,
         render_help,
+        world_size_from_env,
     )
     from titan_trainer.config import JobConfig
 
@@ -86,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     init_logging()
+    from titan_trainer.preflight import preflight
+
     try:
         config = load_config(JobConfig, args, find_config_file=find_config_file)
     except ConfigError as e:
@@ -95,14 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         from titan_trainer.dry_run import main_dry_run
 
         return main_dry_run(config)
-    return _check_and_train(config, check_only)
-
-
-def _check_and_train(config, check_only: bool) -> int:
-    """The pre-start checks, then (unless `--check`) the run, handed the layout they resolved."""
-    from titan_core import ConfigError, get_logger, world_size_from_env
     from titan_trainer.logs import choose_console_ranks
-    from titan_trainer.preflight import preflight
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
     checked = preflight(
@@ -111,16 +95,40 @@ def _check_and_train(config, check_only: bool) -> int:
     if checked.problems:
         print(ConfigError(checked.problems), file=sys.stderr)
         return 2
+    from titan_core import get_logger
+
     said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
     for note in checked.notes:
         get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
     if check_only:
         return 0
-    return _train(config, checked.layout)
+    return run_training(config, checked.layout)
 
 
-def _train(config, layout) -> int:
-    """Train; the exit status (see "Exit status" in the trainer README)."""
+def answer_without_torch(args: list[str]) -> int | None:
+    """`--list-configs` and `--config-path NAME`, answered without importing torch (seconds):
+    launch scripts call them. The exit status, or None for anything else."""
+    if "--list-configs" in args:
+        print(describe_shipped())
+        return 0
+    if "--config-path" in args:
+        rest = args[args.index("--config-path") + 1 :]
+        if not rest:
+            print("usage: titan-train --config-path NAME_OR_FILE", file=sys.stderr)
+            return 2
+        try:
+            print(find_config_file(rest[0]).resolve())
+        except ValueError as e:  # titan_core.ConfigError
+            print(e, file=sys.stderr)
+            return 2
+        return 0
+    return None
+
+
+def run_training(config, layout=None) -> int:
+    """Train the checked `config` on this process (with the `Layout` its checks resolved);
+    the exit status says how the run ended, and a problem the user can act on is one message,
+    without a traceback."""
     from titan_core import CheckpointError, ConfigError, RunFolderError
     from titan_trainer.comm import CollectiveError
     from titan_trainer.guards import NonFiniteStepError, StartupError

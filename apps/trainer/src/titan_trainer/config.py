@@ -234,6 +234,13 @@ class Training:
     goes on; one more stops the run."""
     steps: int = 10000
     """Optimizer steps to train for."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the parameters, their gradients and the optimizer's state are kept in. float32:
+    a float32 master copy, computed in mixed_precision_param (mixed precision). bfloat16: all
+    of them in bfloat16 with no float32 copy: half their memory, but every update is rounded
+    to bfloat16 (the loss gap measured: see the trainer README). Computes in bfloat16 even on
+    a CPU without bf16 instructions (slowly). Ranger21 and titan's AdamW keep their moments
+    in [optimizer] state_dtype (set bfloat16 for no float32 state at all)."""
     mixed_precision_param: Dtype = "bfloat16"
     """Compute dtype of parameters. On a CPU without bf16 instructions bfloat16 falls back to
     float32 with a warning; auto picks bfloat16 where it is native."""
@@ -281,6 +288,12 @@ class Training:
             problems.append(
                 f"[training] loss_chunk_tokens = {self.loss_chunk_tokens} is not valid\n"
                 "use 0 (off) or a positive number of tokens (e.g. 1024)"
+            )
+        if self.dtype == "bfloat16" and self.mixed_precision_param == "float32":
+            problems.append(
+                '[training] dtype = "bfloat16" keeps the parameters in bfloat16, so they compute'
+                ' in it too, but mixed_precision_param = "float32"\n'
+                'set mixed_precision_param = "bfloat16" (or "auto"), or dtype = "float32"'
             )
         if self.mtp_loss_weight < 0:
             problems.append(

@@ -8,6 +8,9 @@ groups train one model on different shards of the data and average their gradien
 failure interrupts is discarded on every group and retried on the same batches; a group that
 comes back receives the model, optimizer, schedule and step from a live one, then moves its own
 data to that step. So no step is lost and no batch is read twice.
+
+The train loop meets all of this through one object, `ReplicaSteps` (a `StepCoordinator`),
+which `build_step_coordinator` returns when [fault_tolerance] enable is set.
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
 
 from titan_ckpt import ModelState, OptimizerState
 from titan_core import get_logger
+from titan_trainer.step import ALONE, StepCoordinator
+
+if TYPE_CHECKING:  # imported when fault tolerance is on only (torchft is an extra)
+    from titan_parallel import ReplicaGroup, SemiSync
 
 log = get_logger("fault_tolerance")
 
@@ -27,7 +36,94 @@ WAIT_FOR_GROUPS_S = 1.0
 """Pause before attempting a step again while too few replica groups are up."""
 
 
-def build_replica_group(config, info, parts, optimizer, lr_scheduler, train_state):
+def build_step_coordinator(
+    config, info, parts, optimizer, lr_scheduler, train_state
+) -> StepCoordinator:
+    """How this rank's steps meet other replica groups: `ReplicaSteps` when [fault_tolerance]
+    enable is set (built before the checkpoint is loaded: the replica group's step count is
+    part of it), else the plain coordinator of a job alone."""
+    replicas = build_replica_group(config, info, parts, optimizer, lr_scheduler, train_state)
+    if replicas is None:
+        return ALONE
+    return ReplicaSteps(replicas, build_semi_sync(replicas, parts))
+
+
+class ReplicaSteps(StepCoordinator):
+    """A step of one replica group among others. Synchronous: the quorum forms at the step's
+    start, the gradients are averaged over the groups before clipping, and the optimizer steps
+    only if every group completed the step; a discarded step is attempted again on the same
+    batches. Semi-synchronous (`semi_sync`: LocalSGD, DiLoCo): each group steps alone and the
+    weights are synchronised after every few steps."""
+
+    per_rank_data = True  # each group is a job of its own, with its own data position
+    receives_peer_state = True
+
+    def __init__(self, replicas: ReplicaGroup, semi_sync: SemiSync | None = None):
+        self.replicas = replicas
+        self.semi_sync = semi_sync
+        self._batches: StepBatches | None = None
+        self._attempted = 0
+        self._recovered = 0
+
+    def checkpoint_states(self) -> dict[str, Any]:
+        states: dict[str, Any] = {"fault_tolerance": self.replicas}
+        if self.semi_sync is not None and self.semi_sync.method == "diloco":
+            states["diloco"] = self.semi_sync  # the last synced weights and the outer momentum
+        return states
+
+    def after_restore(self) -> None:
+        if self.semi_sync is not None and not self.semi_sync.loaded:
+            self.semi_sync.snapshot()  # DiLoCo starts from these weights
+
+    def batches(self, batches: Iterator, per_step: int) -> StepBatches:
+        self._batches = StepBatches(batches, per_step)  # a discarded step reads them again
+        return self._batches
+
+    @property
+    def _every_step(self) -> bool:
+        """Whether the groups meet at every step (not semi-synchronous)."""
+        return self.semi_sync is None
+
+    def begin(self, step: int) -> None:
+        self._attempted = step
+        self._recovered = len(self.replicas.recoveries)
+        if self._every_step:
+            self.replicas.start_step()
+
+    def after_backward(self, params: Iterable[nn.Parameter]) -> None:
+        if self._every_step:
+            self.replicas.average_gradients(params)
+
+    def should_commit(self) -> bool:
+        return not self._every_step or self.replicas.should_commit()
+
+    def settle(self, state, committed: bool) -> bool:
+        assert self._batches is not None, "batches() comes before the first step"
+        return settle_replica_step(
+            self.replicas,
+            self.semi_sync,
+            self._batches,
+            state,
+            self._attempted,
+            self._recovered,
+            committed,
+        )
+
+    def groups(self) -> int:
+        # Before the first quorum: every group planned.
+        return self.replicas.participants() or self.replicas.config.group_size
+
+    def metrics(self) -> dict[str, float]:
+        joined = self.replicas.participants()  # in the last quorum
+        return {"replica_groups": joined} if joined else {}
+
+    def close(self) -> None:
+        self.replicas.close()  # leaves the quorums; torchft's threads stop
+
+
+def build_replica_group(
+    config, info, parts, optimizer, lr_scheduler, train_state
+) -> ReplicaGroup | None:
     """This rank's `ReplicaGroup` when [fault_tolerance] enable is set, else None. What a
     restarted group receives from a live one: weights, optimizer state, the learning-rate
     schedule and the step (not the data position: each group reads its own shard)."""
@@ -48,10 +144,10 @@ def build_replica_group(config, info, parts, optimizer, lr_scheduler, train_stat
     )
 
 
-def build_semi_sync(replicas, parts):
+def build_semi_sync(replicas: ReplicaGroup, parts) -> SemiSync | None:
     """LocalSGD or DiLoCo over `replicas` when [fault_tolerance] semi_sync_method asks for it,
     else None."""
-    if replicas is None or not replicas.config.semi_sync_method:
+    if not replicas.config.semi_sync_method:
         return None
     from titan_parallel import SemiSync
 

@@ -80,10 +80,3 @@ def layout_text(dims: ParallelDims) -> str:
     ]
     text = " x ".join(parts) or "single process"
     return f"{text} (ep {dims.ep})" if dims.ep > 1 else text
-
-
-def accumulation_steps(config: JobConfig, dims: ParallelDims) -> int:
-    """Microbatches per optimizer step that `training.global_batch_size` asks for."""
-    if config.training.global_batch_size == -1:
-        return 1
-    return config.training.global_batch_size // (config.training.local_batch_size * dims.dp_degree)

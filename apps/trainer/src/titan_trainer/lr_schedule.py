@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titan_core import get_logger
+from titan_core import SelfSchedulingOptimizer, get_logger
 
 log = get_logger("lr_schedule")
 
@@ -143,10 +143,10 @@ def _peaks(lrs: list[float]) -> str:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
     """The schedule over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps.
 
-    An optimizer that schedules its learning rate itself (`owns_lr_schedule`, as Ranger21 with
-    its warm-up or warm-down on) gets a constant schedule instead: applying both would warm up
-    (and decay) twice."""
-    if getattr(optimizer, "owns_lr_schedule", False):
+    An optimizer that schedules its learning rate itself (a `SelfSchedulingOptimizer` whose
+    `owns_lr_schedule` is set, as Ranger21 with its warm-up or warm-down on) gets a constant
+    schedule instead: applying both would warm up (and decay) twice."""
+    if isinstance(optimizer, SelfSchedulingOptimizer) and optimizer.owns_lr_schedule:
         log.info(
             "%s schedules its own learning rate (warm-up and warm-down): [lr_scheduler] is not"
             " applied; turn the optimizer's schedule off to use [lr_scheduler]",

@@ -15,12 +15,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_core import ConfigError, PluginError, available, get_logger, plugins, resolve
+from titan_core import (
+    ConfigError,
+    OptimizerFactory,
+    OptimizerPlugin,
+    PluginError,
+    available,
+    get_logger,
+    plugins,
+    resolve,
+)
 from titan_trainer.param_groups import build_param_groups, model_names, unmatched_group_problems
 
 log = get_logger("optimizer")
 
 BUILT_IN = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+
+
+def optimizer_factory(name: str) -> OptimizerFactory:
+    """What `[optimizer] name` names, as a factory: a plugin's own, or for the built-in AdamW
+    and Adam the defaults (Adam's two moments; built by `_build`)."""
+    return OptimizerPlugin() if name in BUILT_IN else resolve(plugins.OPTIMIZERS, name)
 
 
 def optimizer_problem(name: str) -> str | None:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import titan_parallel
 from titan_core import ConfigError, ParallelDims, get_logger
 from titan_trainer.loss import with_mtp
-from titan_trainer.precision import DTYPES
+from titan_trainer.precision import DTYPES, cast_parameters_
 
 log = get_logger("parallel")
 
@@ -72,7 +72,11 @@ class ParallelRuntime:
         for part in parts:
             self.parallelize_part(part)
         self.autocast = (
-            None if (self._fsdp_mixed_precision or self.dtype == torch.float32) else self.dtype
+            None
+            if self._fsdp_mixed_precision
+            or self.dtype == torch.float32
+            or self.config.training.dtype == "bfloat16"  # parameters compute in bf16 as they are
+            else self.dtype
         )
         if self.dims.cp_enabled:
             self._cp_buffers = [_cp_buffers(part) for part in parts]
@@ -85,6 +89,8 @@ class ParallelRuntime:
     def parallelize_part(self, part: nn.Module) -> None:
         """TP -> activation checkpointing -> compile -> FSDP/HSDP/DDP on one model part."""
         cfg = self.config
+        if cfg.training.dtype != "float32":  # no float32 master copy ([training] dtype)
+            cast_parameters_(part, DTYPES[cfg.training.dtype])
         titan_parallel.parallelize(
             part,
             self.dims,
@@ -108,7 +114,7 @@ class ParallelRuntime:
         this seed (a function of seed and parameter name; see `titan_core.init`). With
         `parameters=False` only buffers are rebuilt: the weights come from a checkpoint."""
         for part in parts:
-            if parameters or not hasattr(part, "init_buffers"):
+            if parameters:
                 titan_parallel.init_weights_exact(part, self.seed, buffer_device=self.device)
             else:
                 part.init_buffers(self.device)
@@ -120,9 +126,17 @@ class ParallelRuntime:
 
     # ------------------------------------------------------------------ steps
     def forward_backward(
-        self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor, scale: float
+        self,
+        parts: list[nn.Module],
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        scale: float,
+        *,
+        mark: Callable[[str], None] | None = None,
     ) -> torch.Tensor:
-        """Loss of one microbatch times `scale` (detached); gradients accumulate."""
+        """Loss of one microbatch times `scale` (detached); gradients accumulate. `mark`, when
+        given, is called with "forward" once the loss is computed and "backward" once the
+        gradients are (not under pipeline parallel, whose schedule interleaves the two)."""
         self._scale = scale
         inputs, labels = self._own_batch(inputs, labels)
         kwargs = self.model_kwargs(inputs)
@@ -134,7 +148,11 @@ class ParallelRuntime:
                 )
             (model,) = parts
             loss = self._scaled_loss(model(inputs, **kwargs), labels)
+            if mark is not None:
+                mark("forward")
             loss.backward()
+        if mark is not None:
+            mark("backward")
         return _plain(loss.detach())
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:

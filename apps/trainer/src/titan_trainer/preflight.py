@@ -167,14 +167,14 @@ def _checkpoint_space_problems(config: JobConfig, layout: Layout, notes: list[st
     ckpt = config.checkpoint
     if not ckpt.enable or ckpt.create_seed_checkpoint:
         return []
-    check = getattr(resolve(plugins.CHECKPOINTERS, ckpt.checkpointer), "check_space", None)
-    if check is None:
-        return []
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
     params = list(layout.meta_model().parameters())
     state_bytes = sum(p.numel() * p.element_size() for p in params) + int(
         sum(p.numel() for p in params) * 4 * optimizer_state_copies(config.optimizer)
     )
-    problems, note = check(ckpt, config.job.dump_folder, state_bytes, config.training.steps)
+    problems, note = factory.check_space(
+        ckpt, config.job.dump_folder, state_bytes, config.training.steps
+    )
     if note:
         notes.append(note)
     return problems

@@ -13,29 +13,18 @@ through titan-core's plugin registry; this file only composes them. `prepare` bu
 from __future__ import annotations
 
 import gc
-import logging
 import os
-import secrets
-import signal
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from titan_core import (
     ConfigError,
     DistInfo,
-    MemoryMonitor,
     ParallelDims,
     build_hf_adapter,
-    config_to_dict,
     dp_coordinates,
     get_logger,
     init_distributed,
-    peak_flops,
     plugins,
     resolve,
     resolve_device_type,
@@ -49,114 +38,32 @@ from titan_trainer.comm import (
     dump_trace,
     report_collective_failures,
     start_training_timeout,
-    torchrun_restarts,
     trace_folder,
 )
 from titan_trainer.config import JobConfig
-from titan_trainer.data import build_loader, checkpointed_loader, skipped_rows_total
-from titan_trainer.experts import ExpertLoad
-from titan_trainer.fault_tolerance import (
-    StepBatches,
-    build_replica_group,
-    build_semi_sync,
-    settle_replica_step,
-)
+from titan_trainer.data import build_loader, checkpointed_loader
+from titan_trainer.fault_tolerance import build_step_coordinator
 from titan_trainer.guards import StepGuard, claim_run_folders
-from titan_trainer.layout import Layout, accumulation_steps, layout_text
+from titan_trainer.layout import Layout, layout_text
 from titan_trainer.logs import rank_logging
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.lr_schedule import build_lr_scheduler
-from titan_trainer.metrics import MetricsLogger, StepTimer
 from titan_trainer.model import build_converters, build_model, hf_model_args
 from titan_trainer.optimizer import build_optimizer, current_lr
-from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
+from titan_trainer.parallel import build_parallel_runtime
 from titan_trainer.precision import compute_dtype
 from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
+from titan_trainer.restarts import note_torchrun_restart
+from titan_trainer.run import Run, TrainResult, TrainState, shared_run_id
+from titan_trainer.step import accumulation_steps, train_step
+from titan_trainer.stopping import StopRequest, close_run, save_if_due, write_seed_checkpoint
 from titan_trainer.validate import Validator
+from titan_trainer.window import MetricWindow, log_window, open_window, validate
 
 log = get_logger("train")
 
 
-@dataclass
-class TrainState:
-    """What the checkpoint needs to know about progress, besides modules and optimizer."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    run_id: str = field(default_factory=lambda: new_run_id())
-    """Names the run's series of metrics: new for a fresh run, kept (from the checkpoint) by
-    its resumes, so that a later run in the same dump folder is never drawn as its sequel."""
-    losses: list[float] = field(default_factory=list)
-    """Loss per step in this process's lifetime, read back at logging steps (not checkpointed;
-    for tests and summaries)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "run_id": self.run_id}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
-        # Checkpoints written before run ids carry none: their resume starts a series.
-        self.run_id = str(state.get("run_id", self.run_id))
-
-
-def shared_run_id() -> str:
-    """A new run id, rank 0's on every rank (any rank's copy may be the one a checkpoint keeps)."""
-    import torch.distributed as dist
-
-    run_id = [new_run_id()]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
-
-
-def new_run_id() -> str:
-    """`20251123-103511-4f2a`: when the run started, and 16 random bits for runs started in
-    the same second."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-@dataclass
-class TrainResult:
-    steps_run: int
-    final_step: int
-    losses: list[float]
-    stopped_early: bool
-    stopped_by: str | None = None
-    """What stopped the run before its last step: "SIGTERM" (after saving a checkpoint when
-    checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
-
-
 # ----------------------------------------------------------------------------- the run
-
-
-@dataclass
-class Run:
-    """Everything one training run holds, built once by `prepare`."""
-
-    config: JobConfig
-    info: DistInfo
-    dims: ParallelDims
-    runtime: ParallelRuntime
-    data: Any
-    """The data plugin (`titan_core.DataSpec`)."""
-    tokenizer: Any
-    loader: Any
-    converters: list
-    parts: list[nn.Module]
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    state: TrainState
-    checkpointer: Any
-    """None when no checkpointing is asked for."""
-    replicas: Any = None
-    """This rank's TorchFT `ReplicaGroup` ([fault_tolerance]), or None."""
-    semi_sync: Any = None
-    """LocalSGD or DiLoCo over `replicas` ([fault_tolerance] semi_sync_method), or None."""
-
-    @property
-    def dump(self) -> str:
-        return self.config.job.dump_folder
 
 
 def train(config: JobConfig, layout: Layout | None = None) -> TrainResult:
@@ -216,32 +123,28 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
     )
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     state = TrainState(run_id=shared_run_id())
-    # Before the checkpoint is loaded: the replica group's step count is part of it.
-    replicas = build_replica_group(config, info, parts, optimizer, lr_scheduler, state)
-    semi_sync = build_semi_sync(replicas, parts)
+    coordinator = build_step_coordinator(config, info, parts, optimizer, lr_scheduler, state)
     states = {
         "model": parts,
         "optimizer": optimizer,
         "lr_scheduler": lr_scheduler,
         # One global position of the data that any data-parallel degree resumes from; replica
         # groups (their own jobs and checkpoints) keep their own.
-        "dataloader": checkpointed_loader(loader, dims.mesh("dp"), per_rank=replicas is not None),
+        "dataloader": checkpointed_loader(
+            loader, dims.mesh("dp"), per_rank=coordinator.per_rank_data
+        ),
         "train_state": state,
+        **coordinator.checkpoint_states(),
     }
-    if replicas is not None:
-        states["fault_tolerance"] = replicas
-    if semi_sync is not None and semi_sync.method == "diloco":
-        states["diloco"] = semi_sync  # the last synced weights and the outer momentum
     checkpointer = build_checkpointer(
         config, dims, states=states, config_toml=resolved_toml, tokenizer=tokenizer
     )
     run = Run(
         config, info, dims, runtime, data, tokenizer, loader, converters, parts, optimizer,
-        lr_scheduler, state, checkpointer, replicas, semi_sync,
+        lr_scheduler, state, checkpointer, coordinator,
     )  # fmt: skip
     restore_or_initialise(run)
-    if semi_sync is not None and not semi_sync.loaded:  # DiLoCo starts from these weights
-        semi_sync.snapshot()
+    coordinator.after_restore()
     return run
 
 
@@ -272,7 +175,9 @@ def set_up_layout(
     mesh = dims.build_mesh(info.device.type)
     seed = config.training.seed if config.training.seed is not None else 0
     set_seed(seed, mesh, vary_over=(), deterministic=config.training.deterministic)
-    dtype = compute_dtype(config.training.mixed_precision_param, info.device)
+    dtype = compute_dtype(
+        config.training.mixed_precision_param, info.device, params=config.training.dtype
+    )
     log.info(
         "%s | %d processes on %s | %s | compute %s",
         config.job.description,
@@ -331,10 +236,6 @@ def build_checkpointer(
     )
 
 
-def _pipeline_microbatches(runtime) -> int:
-    return runtime.pipeline.n_microbatches if runtime.pipeline is not None else 1
-
-
 def restore_or_initialise(run: Run) -> None:
     """The weights come from the newest complete checkpoint (or `initial_load_path`) when there
     is one; otherwise from the one initialisation, a function of the seed and each parameter's
@@ -350,142 +251,17 @@ def restore_or_initialise(run: Run) -> None:
     note_torchrun_restart(run, loaded)
 
 
-def note_torchrun_restart(run: Run, loaded: int | None) -> None:
-    """Under `torchrun --max-restarts`, say which attempt this is and where it starts; warn
-    when a restart could only start over (no checkpoints)."""
-    done, allowed = torchrun_restarts()
-    if not allowed:
-        return
-    notice = restart_notice(allowed, run.checkpointer is not None, run.replicas is not None)
-    if notice is not None:
-        log.log(*notice)
-    if done:
-        log.warning(
-            "torchrun restart %d of %d: training goes on from step %d (%s)",
-            done,
-            allowed,
-            run.state.step,
-            "the newest complete checkpoint" if loaded else "no checkpoint to resume from",
-        )
-
-
-def restart_notice(
-    allowed: int, checkpointing: bool, fault_tolerance: bool
-) -> tuple[int, str] | None:
-    """(log level, text) of what a torchrun restart of this job will start from, when that
-    is worth saying: without checkpoints a restart starts over, unless a live replica group
-    (fault tolerance) hands the restarted group its step."""
-    if checkpointing:
-        return None
-    if fault_tolerance:
-        return logging.INFO, (
-            f"torchrun may restart this replica group {allowed} time(s) (--max-restarts); without"
-            " checkpoints a restarted group receives the weights, optimizer state and step from a"
-            " live replica group, and the job starts over from step 0 only if every group is lost"
-            " at once ([checkpoint] enable = true covers that too)"
-        )
-    return logging.WARNING, (
-        f"torchrun may restart this job {allowed} time(s) (--max-restarts), but [checkpoint]"
-        " enable = false: a restart trains again from step 0; turn checkpoints on so that one"
-        " loses at most [checkpoint] interval steps"
-    )
-
-
-def write_seed_checkpoint(run: Run) -> TrainResult:
-    run.checkpointer.save(0, last_step=True)
-    run.checkpointer.close()
-    log.info("seed checkpoint written; start training without --checkpoint.create_seed_checkpoint")
-    return TrainResult(0, 0, [], False)
-
-
-# ----------------------------------------------------------------------------- the steps
-
-
-class _StopRequest:
-    """SIGTERM (a scheduler's preemption notice, or torchrun stopping the ranks after one
-    failed) asks the loop to checkpoint and stop. This rank's flight-recorder trace is written
-    at once too: a rank stuck outside a collective would otherwise leave none."""
-
-    def __init__(self, on_signal=None) -> None:
-        self.requested = False
-        self._previous = None
-        self._on_signal = on_signal
-
-    def __enter__(self) -> _StopRequest:
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-        if self._on_signal is not None:
-            self._on_signal()
-
-    def __exit__(self, exc_type, *_) -> None:
-        if self._previous is None:
-            return
-        if exc_type is not None and exc_type is not KeyboardInterrupt:
-            # Stopping on an error: when a peer died, torchrun's SIGTERM follows within
-            # moments, and it must not end this rank before its error is reported.
-            signal.signal(signal.SIGTERM, lambda *_: None)
-            return
-        signal.signal(signal.SIGTERM, self._previous)
-
-
-@dataclass
-class _Window:
-    """What the metric line of one logging window is computed from."""
-
-    metrics: MetricsLogger
-    timer: StepTimer
-    memory: MemoryMonitor
-    peak_flops: float
-    flops_per_token: float
-    experts: ExpertLoad
-    lr: float = 0.0
-    """The learning rate the last step ran at (the optimizer holds the next step's)."""
-
-
 def run_steps(run: Run) -> TrainResult:
     """Train from the current step to `training.steps`: each step, then what is due after it
     (metrics, validation, profiling, checkpoint), until the end or a stop request."""
     config, state = run.config, run.state
     accum = accumulation_steps(config, run.dims)
-    peak = peak_flops(
-        run.info.device, run.runtime.dtype, override_tflops=config.metrics.peak_tflops
-    )
-    log.info("peak %s; %d microbatch(es) per step", peak.describe(), accum)
-    window = _Window(
-        MetricsLogger(
-            run.dump,
-            config.metrics.save_tb_folder,
-            config.metrics.enable_tensorboard,
-            run.info.rank,
-            enable_wandb=config.metrics.enable_wandb,
-            run_name=config.job.description,
-            run_config=config_to_dict(config),
-            plots_folder=config.metrics.save_plots_folder,
-            run_id=run.state.run_id,
-        ),
-        StepTimer(),
-        MemoryMonitor(run.info.device),
-        peak.flops,
-        run.runtime.flops_per_token,
-        # Each forward adds its auxiliary balance loss: weigh it by the forwards per step
-        # (accumulated microbatches, and the pipeline's microbatches within each).
-        ExpertLoad(run.parts, run.dims, accum * _pipeline_microbatches(run.runtime)),
-    )
+    window = open_window(run, accum)
     validator = build_validator(run) if config.validation.enable else None
     guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
-    batches = iter(run.loader)
-    if run.replicas is not None:  # a discarded step is retried on the same batches
-        batches = StepBatches(batches, accum)
-    tokens_per_step = config.training.local_batch_size * config.training.seq_len * accum
+    batches = run.coordinator.batches(iter(run.loader), accum)
     start_step = state.step
-    stopped_early = failed = False
-    stopped_by = None
+    stopped_by, failed = None, False
     gc.disable()
     try:
         with (
@@ -496,47 +272,26 @@ def run_steps(run: Run) -> TrainResult:
                 started=lambda: state.step > start_step + 1,
                 step=lambda: state.step,
             ),
-            _StopRequest(on_signal=lambda: dump_trace(config, run.dump, run.info.rank)) as stop,
+            StopRequest(on_signal=lambda: dump_trace(config, run.dump, run.info.rank)) as stop,
             maybe_profile(config.profiling, run.dump, run.info.rank, state.step) as profile_step,
             maybe_memory_snapshot(config.profiling, run.dump, run.info.rank),
         ):
             while state.step < config.training.steps:
                 state.step += 1
-                attempted = state.step
-                recovered = 0 if run.replicas is None else len(run.replicas.recoveries)
-                # Semi-synchronous groups step alone and synchronise every few steps.
-                every_step = run.replicas if run.semi_sync is None else None
                 # This step's lr comes from the schedule and the step alone, never from what a
                 # loaded checkpoint left in the optimizer's param_groups.
                 run.lr_scheduler.apply()
                 outcome = train_step(
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
-                    guard, state.step, replicas=every_step,
+                    guard, state.step, coordinator=run.coordinator,
                 )  # fmt: skip
-                if run.replicas is not None and not settle_replica_step(
-                    run.replicas, run.semi_sync, batches, state, attempted, recovered,
-                    outcome.committed,
-                ):  # fmt: skip  # discarded on every replica group: attempted again
-                    if stop.requested:
-                        stopped_early, stopped_by = True, "SIGTERM"
+                if not run.coordinator.settle(state, outcome.committed):
+                    if stop.requested:  # discarded, then preempted: save the step before it
+                        stopped_by = "SIGTERM"
                         save_if_due(run, last=False, preempted=True)
                         break
-                    continue
-                window.lr = current_lr(run.optimizer)  # the lr this step ran at
-                run.lr_scheduler.step()
-                if state.step == start_step + 1:  # compiled and warmed up: the tight timeout
-                    start_training_timeout(config.comm, state.step)
-                for converter in run.converters:
-                    for part in run.parts:
-                        converter.post_optimizer_hook(part)
-                if window.experts:
-                    window.experts.after_step()
-                groups = 1
-                if run.replicas is not None:  # before the first quorum: every group planned
-                    groups = run.replicas.participants() or config.fault_tolerance.group_size
-                state.tokens_seen += tokens_per_step * run.dims.dp_degree * groups
-                window.timer.tokens += tokens_per_step
-                window.timer.steps += 1
+                    continue  # discarded everywhere: attempted again
+                after_step(run, window, first=state.step == start_step + 1)
                 last = state.step == config.training.steps
                 if (
                     state.step % config.metrics.log_freq == 0
@@ -550,9 +305,9 @@ def run_steps(run: Run) -> TrainResult:
                     profile_step()
                 if stop.requested:
                     state.losses.extend(row[1] for row in guard.read())
-                    stopped_early, stopped_by = True, "SIGTERM"
-                save_if_due(run, last=last, preempted=stopped_early)
-                if stopped_early:
+                    stopped_by = "SIGTERM"
+                save_if_due(run, last=last, preempted=stopped_by is not None)
+                if stopped_by is not None:
                     break
                 if state.step % config.training.gc_freq == 0:
                     gc.collect(1)
@@ -561,109 +316,35 @@ def run_steps(run: Run) -> TrainResult:
             "Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from",
             state.step,
         )
-        stopped_early, stopped_by = True, "SIGINT"
+        stopped_by = "SIGINT"
     except BaseException:
         failed = True
         raise
     finally:
         gc.enable()
-        close_checkpointer(run.checkpointer, after_error=failed)
         window.metrics.close()
-        close_loader = getattr(run.loader, "close", None)
-        if callable(close_loader):  # its worker processes, before the interpreter exits
-            close_loader()
-        if run.replicas is not None:  # leaves the quorums; torchft's threads stop
-            run.replicas.close()
-    return TrainResult(state.step - start_step, state.step, state.losses, stopped_early, stopped_by)
+        close_run(run, after_error=failed)
+    steps_run = state.step - start_step
+    return TrainResult(steps_run, state.step, state.losses, stopped_by is not None, stopped_by)
 
 
-def close_checkpointer(checkpointer, after_error: bool) -> None:
-    """Finish the checkpointer's in-flight save. After an error a peer may be gone, and closing
-    (it may wait on the other ranks) can fail too: that failure is logged, not raised, so that
-    the error reported is the one that ended the run."""
-    if checkpointer is None:
-        return
-    if not after_error:
-        checkpointer.close()
-        return
-    try:
-        checkpointer.close()
-    except Exception as e:  # the run's own error is already on its way out
-        log.warning(
-            "the checkpointer could not finish after the error (%s); the newest complete"
-            " checkpoint is unaffected",
-            str(e).splitlines()[0][:200],
-        )
-
-
-def train_step(
-    runtime: ParallelRuntime,
-    model_parts,
-    optimizer,
-    batches: Iterator,
-    accum: int,
-    timer: StepTimer,
-    config,
-    guard: StepGuard,
-    step: int,
-    *,
-    replicas=None,
-) -> StepOutcome:
-    """Forward/backward over `accum` microbatches, clip, check, step. The loss and gradient
-    norm are device tensors, both reduced over every rank so that all ranks log the same
-    numbers; nothing is read back to the host here (see StepGuard). With `replicas` (a TorchFT
-    `ReplicaGroup`) the gradients are averaged over the replica groups before clipping, and the
-    optimizer steps only if every group completed the step (`committed`)."""
-    optimizer.zero_grad(set_to_none=True)
-    if replicas is not None:
-        replicas.start_step()  # the quorum forms while the forward pass runs
-    total = torch.zeros((), device=runtime.device)
-    for _ in range(accum):
-        start = time.perf_counter()
-        inputs, labels = next(batches)
-        timer.data_seconds += time.perf_counter() - start
-        inputs = inputs.to(runtime.device, non_blocking=True)
-        labels = labels.to(runtime.device, non_blocking=True)
-        total += runtime.forward_backward(model_parts, inputs, labels, scale=1.0 / accum)
-    if replicas is not None:
-        replicas.average_gradients(p for part in model_parts for p in part.parameters())
-    grad_norm = runtime.clip_grad_norm(model_parts, config.training.max_norm)
-    loss = runtime.reduce_loss(total)
-    # Every rank of every group votes, whatever its own step looks like.
-    committed = replicas is None or replicas.should_commit()
-    # A NaN or inf step is never applied: skipped on the device, or here.
-    if committed and guard.before_step(step, loss, grad_norm, local_loss=total):
-        optimizer.step()
-    return StepOutcome(loss, grad_norm, committed)
-
-
-class StepOutcome(NamedTuple):
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    committed: bool
-    """False when fault tolerance discarded the step (a replica group failed): not applied
-    anywhere, to be attempted again."""
-
-
-def log_window(run: Run, window: _Window, guard: StepGuard) -> None:
-    """One metric line for the steps since the last one: the one read-back of their values
-    (it raises if a step was not finite)."""
-    rows = guard.read()
-    run.state.losses.extend(row[1] for row in rows)
-    _, loss, grad_norm = rows[-1]
-    values = window_metrics(window, loss, grad_norm, run.dims)
-    values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
-    by_source = getattr(run.loader, "tokens_by_source", None)
-    if by_source and len(by_source) > 1:  # a mixture: tokens the whole job took from each
-        values.update({f"tokens/{label}": float(n) for label, n in by_source.items()})
-    values["skipped_steps"] = guard.skipped
-    if (load := window.experts.read()) is not None:  # the worst layer, then each layer
-        values["expert_load"] = max(load.values())
-        values.update({f"expert_load/{name}": ratio for name, ratio in load.items()})
-    if run.replicas is not None and run.replicas.participants():  # in the last quorum
-        values["replica_groups"] = run.replicas.participants()
-    window.metrics.log(run.state.step, values)
-    window.timer.reset()
+def after_step(run: Run, window: MetricWindow, *, first: bool) -> None:
+    """What follows a step that stands: the schedule moves on, the converters' hooks run, the
+    step's tokens are counted (over every data-parallel rank of every replica group)."""
+    window.lr = current_lr(run.optimizer)  # the lr this step ran at
+    run.lr_scheduler.step()
+    if first:  # compiled and warmed up: the tight timeout
+        start_training_timeout(run.config.comm, run.state.step)
+    for converter in run.converters:
+        for part in run.parts:
+            converter.post_optimizer_hook(part)
+    if window.experts:
+        window.experts.after_step()
+    t = run.config.training
+    tokens = t.local_batch_size * t.seq_len * accumulation_steps(run.config, run.dims)
+    run.state.tokens_seen += tokens * run.dims.dp_degree * run.coordinator.groups()
+    window.timer.tokens += tokens
+    window.timer.steps += 1
 
 
 def build_validator(run: Run) -> Validator:
@@ -678,52 +359,6 @@ def build_validator(run: Run) -> Validator:
         run.config.training.seq_len,
         run.config.training.bad_rows,
     )
-
-
-def validate(run: Run, window: _Window, validator: Validator) -> None:
-    loss = validator.run(run.runtime, run.parts)
-    log.info("step %4d | validation loss %.4f", run.state.step, loss)
-    window.metrics.log_scalars(run.state.step, {"validation_loss": loss})
-    window.timer.reset()  # validation time is not training throughput
-
-
-def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
-    """The checkpointer decides whether a step is due; a preemption save is a full, resumable
-    one, never the last step's export."""
-    saving = run.checkpointer is not None and run.config.checkpoint.enable
-    if preempted:
-        if saving:
-            log.warning("SIGTERM: saving a full checkpoint at step %d and stopping", run.state.step)
-        else:
-            log.warning(
-                "SIGTERM: stopping at step %d without a checkpoint (checkpoint.enable is false)",
-                run.state.step,
-            )
-    if saving:
-        # `force` goes only to a save that needs it (older checkpointers lack it).
-        forced = {"force": True} if preempted and not last else {}
-        run.checkpointer.save(run.state.step, last_step=last, **forced)
-
-
-def window_metrics(window: _Window, loss, grad_norm, dims: ParallelDims) -> dict[str, float]:
-    timer = window.timer
-    elapsed = time.perf_counter() - timer.window_start
-    # A TP/CP/PP group shares the work on one data-parallel rank's tokens.
-    tokens_per_s = timer.tokens / elapsed / (dims.tp * dims.cp * dims.pp)
-    flops = window.flops_per_token * tokens_per_s
-    stats = window.memory.stats()
-    window.memory.reset_peak()
-    return {
-        "loss": loss,
-        "grad_norm": grad_norm,
-        "lr": window.lr,
-        "tokens_per_s": tokens_per_s,
-        "tflops": flops / 1e12,
-        "mfu_pct": 100.0 * flops / window.peak_flops,
-        "mem_peak_gib": stats.peak_gib,
-        "step_time_s": elapsed / max(timer.steps, 1),
-        "data_pct": 100.0 * timer.data_seconds / elapsed,
-    }
 
 
 # ----------------------------------------------------------------------------- small helpers

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from titan_core import get_logger
-from titan_trainer.data import build_checked_loader, plugin_kwargs
+from titan_trainer.data import build_checked_loader
 
 log = get_logger("validate")
 
@@ -43,7 +43,6 @@ class Validator:
             infinite=False,
             bad_rows=bad_rows,
         )
-        kwargs = plugin_kwargs(data.build_dataloader, kwargs, plugin)
         self.build = lambda: build_checked_loader(data, section="validation", **kwargs)
 
     def due(self, step: int) -> bool:

@@ -10,10 +10,29 @@ from titan_ckpt.manager import CheckpointManager
 from titan_ckpt.preflight import check_loadable, check_space
 from titan_ckpt.storage import join
 from titan_core import dp_coordinates
-from titan_core.protocols import Checkpointer, HFAdapter
+from titan_core.protocols import Checkpointer, CheckpointerPlugin, HFAdapter
 
 
-def build_checkpointer(
+class DCPCheckpointerFactory(CheckpointerPlugin):
+    """The `dcp` checkpointer: builds a `CheckpointManager`; checks a checkpoint against a
+    layout offline (`check_loadable`, the trainer's dry run) and the disk of its folder
+    (`check_space`, before training)."""
+
+    def __call__(self, config: Checkpoint, **kwargs: Any) -> Checkpointer:
+        return _build_checkpointer(config, **kwargs)
+
+    def check_loadable(
+        self, config: Any, dump_folder: str, expected: Mapping[str, tuple[int, ...]]
+    ) -> tuple[list[str], str | None]:
+        return check_loadable(config, dump_folder, expected)
+
+    def check_space(
+        self, config: Any, dump_folder: str, state_bytes: int, steps: int
+    ) -> tuple[list[str], str | None]:
+        return check_space(config, dump_folder, state_bytes, steps)
+
+
+def _build_checkpointer(
     config: Checkpoint,
     *,
     states: Mapping[str, Any],
@@ -46,8 +65,6 @@ def build_checkpointer(
     )
 
 
-# The trainer asks the factory it resolved whether the checkpoint a job would resume from fits
-# the job's model (the dry run), and whether the job's checkpoints fit on their disk (before
-# training); see `titan_core.protocols.Checkpointer`.
-build_checkpointer.check_loadable = check_loadable  # type: ignore[attr-defined]
-build_checkpointer.check_space = check_space  # type: ignore[attr-defined]
+build_checkpointer = DCPCheckpointerFactory()
+"""The `titan.checkpointers` entry point `dcp`: `build_checkpointer(config, states=...,
+dump_folder=...)`, `build_checkpointer.check_loadable(...)`, `build_checkpointer.check_space(...)`."""

@@ -71,17 +71,27 @@ def device_name(device: torch.device) -> str:
 
 
 def supports_bf16(device: torch.device) -> bool:
-    """Whether bf16 compute is native here (CUDA with bf16 support, or a CPU with bf16 instructions)."""
+    """Whether bf16 compute is native here: CUDA with bf16 support, or a CPU with bf16
+    instructions (AVX-512 BF16 or AMX) that torch's kernels dispatch to. The CPU's instructions
+    are read by torch's cpuinfo (`torch.cpu._is_avx512_bf16_supported`), and torch's dispatch
+    level by `torch.backends.cpu.get_cpu_capability()`: with `ATEN_CPU_CAPABILITY=avx2` torch
+    computes as on an AVX2-only CPU, and so does this (how CI checks an AVX2-only machine)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = f.read()
-        except OSError:  # not Linux: ask torch which vector ISA it dispatches to
-            return "AMX" in torch.backends.cpu.get_cpu_capability().upper()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    return False
+    if device.type != "cpu":
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return False
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if avx512_bf16 is not None and amx is not None:
+        return avx512_bf16() or amx()
+    try:  # a torch without these probes: the kernel's flags, on Linux
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # Memory per device as torch reports it (GiB), for devices a job may target. A dry run on a

@@ -6,7 +6,10 @@ its `HFAdapter` (box by box: `SlicedHFAdapter`); titan-data is found through a `
 Float8 and friends are `Converter`s; checkpoint packages provide a `Checkpointer`; optimizer
 packages an `OptimizerFactory`.
 Everything here is plain data or a `typing.Protocol`: a third-party package satisfies it
-without inheriting from anything of ours.
+without inheriting from anything of ours. A protocol's optional members are declared in it too,
+and a base class beside it (`LoaderBase`, `OptimizerPlugin`, `CheckpointerPlugin`) supplies
+their defaults: a plugin either implements every member or inherits the base, and a trainer
+calls each member without probing for it.
 """
 
 from __future__ import annotations
@@ -115,10 +118,11 @@ class ParallelizableModel(Protocol):
     (multi-token-prediction layers): pipeline parallel keeps them on the last stage, and a
     stage without them passes on what they would read.
 
-    Optional: `init_plan()` and `init_buffers(buffer_device)` (initial values as data, which
-    titan-parallel's `init_weights_exact` uses to initialise any layout without holding the
-    whole model; see `titan_core.init`). Mixture-of-experts layers inside the blocks give
-    their own `moe_plan()` (a `MoEPlan`), which expert and tensor parallel read.
+    Optional: `init_plan()` (initial values as data, which titan-parallel's
+    `init_weights_exact` uses to initialise any layout without holding the whole model; see
+    `titan_core.init`). A trainer that resumes a model from a checkpoint calls
+    `init_buffers(buffer_device)`. Mixture-of-experts layers inside the blocks give their own
+    `moe_plan()` (a `MoEPlan`), which expert and tensor parallel read.
 
     Check a model with `parallelizable_problems(model)`, not `isinstance`: from Python 3.12,
     `isinstance` against a protocol looks members up statically and cannot see an
@@ -140,6 +144,10 @@ class ParallelizableModel(Protocol):
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Give every parameter and buffer its initial value (after `to_empty`)."""
+
+    def init_buffers(self, buffer_device: torch.device | None = None) -> None:
+        """Give every buffer (rotary tables) its value, leaving the parameters as they are:
+        after the weights came from a checkpoint."""
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token at this sequence length."""
@@ -303,6 +311,36 @@ class StatefulLoader(Protocol):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
+    @property
+    def skipped_rows(self) -> int:
+        """Rows this rank's loader skipped as unusable (bad rows), over its life; the trainer
+        logs the sum over the data-parallel ranks."""
+
+    @property
+    def tokens_by_source(self) -> Mapping[str, int]:
+        """Input tokens the whole job took from each source of a mixture, by label; the
+        trainer logs them when there are two sources or more."""
+
+    def close(self) -> None:
+        """Stop what the loader started (worker processes); the trainer calls it at the end of
+        the run, however it ends."""
+
+
+class LoaderBase:
+    """The defaults of `StatefulLoader`'s optional members, for a loader to inherit: no rows
+    skipped, no mixture to report, nothing to close."""
+
+    @property
+    def skipped_rows(self) -> int:
+        return 0
+
+    @property
+    def tokens_by_source(self) -> Mapping[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
 
 GLOBAL_STATE = "state_is_global"
 """Attribute of a `Stateful` whose `state_dict()` is the same on every rank and fits any
@@ -314,9 +352,9 @@ restore it when the data-parallel degree changed."""
 class DataSpec:
     """A data package, registered under the `titan.data` entry-point group.
 
-    `build_tokenizer(name_or_path)` and `build_dataloader(...)` take plain arguments (see
-    titan-data's README for the keyword arguments the trainer passes; a trainer passes a
-    keyword a plugin's `build_dataloader` does not name only when it takes `**kwargs`).
+    `build_tokenizer(name_or_path)` and `build_dataloader(...)` take plain arguments; a
+    plugin's `build_dataloader` takes every keyword argument titan-data's README lists (the
+    ones the trainer passes), or `**kwargs`.
     """
 
     name: str
@@ -358,13 +396,46 @@ class OptimizerFactory(Protocol):
     `[optimizer.ranger21]`. `total_steps` is the run's length (for an optimizer that schedules
     itself); `dims` is the run's `ParallelDims`, with its meshes built (for an optimizer that
     reduces statistics across ranks). Return an optimizer whose `param_groups[i]["lr"]` the
-    trainer's LR schedule may set; an optimizer that schedules its own learning rate sets
-    `owns_lr_schedule = True` on itself, and then the trainer's schedule is not applied.
+    trainer's LR schedule may set; an optimizer that schedules its own learning rate is a
+    `SelfSchedulingOptimizer`, and then the trainer's schedule is not applied.
     """
 
     def __call__(
         self, params: list[nn.Parameter], config: Any, *, total_steps: int, dims: Any
     ) -> torch.optim.Optimizer: ...
+
+    def state_copies(self, config: Any) -> float:
+        """The state the optimizer `config` describes keeps per parameter, in parameter-sized
+        float32 copies (Adam's two moments: 2; in bfloat16: 1). A trainer sizes the run's
+        memory and checkpoints with it before anything is built."""
+
+
+class OptimizerPlugin:
+    """The defaults of `OptimizerFactory`'s optional members, for a factory to inherit: the
+    state of Adam (two moments, in `config.state_dtype`). A subclass implements `__call__`."""
+
+    def __call__(
+        self, params: list[nn.Parameter], config: Any, *, total_steps: int, dims: Any
+    ) -> torch.optim.Optimizer:
+        raise NotImplementedError(f"{type(self).__name__} builds no optimizer")
+
+    def state_copies(self, config: Any) -> float:
+        return 2 * moment_size(config)
+
+
+def moment_size(config: Any) -> float:
+    """One moment of the `[optimizer]` section `config`, in float32 copies of the parameters
+    (its `state_dtype`: bfloat16 moments count half)."""
+    return 0.5 if config.state_dtype == "bfloat16" else 1.0
+
+
+@runtime_checkable
+class SelfSchedulingOptimizer(Protocol):
+    """An optimizer that may schedule its own learning rate (Ranger21 with its warm-up or
+    warm-down on): when `owns_lr_schedule` is true, a trainer holds its own schedule at the
+    peak instead of applying both."""
+
+    owns_lr_schedule: bool
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -403,10 +474,50 @@ class Checkpointer(Protocol):
         """Finish in-flight saves and release resources."""
 
 
-# A checkpointer factory (what the `titan.checkpointers` entry point names) may also carry a
-# `check_loadable(config, dump_folder, expected)` attribute: given the global shape of every
-# model tensor by name, it returns (problems, note) about the checkpoint a run would resume
-# from, without loading it. The trainer's dry run calls it when it is there. Likewise
-# `check_space(config, dump_folder, state_bytes, steps)`: whether the checkpoints of a run
-# whose saved state takes `state_bytes` and that trains to step `steps` fit on the disk of
-# their folder, (problems, note); the trainer calls it before training.
+class CheckpointerFactory(Protocol):
+    """What the `titan.checkpointers` entry point names: builds the run's `Checkpointer`, and
+    answers two questions before training starts, each as (problems, note)."""
+
+    def __call__(
+        self,
+        config: Any,
+        *,
+        states: Mapping[str, Any],
+        dump_folder: str,
+        dims: Any = None,
+        config_toml: str = "",
+        dp_rank: int | None = None,
+        hf_adapter: HFAdapter | None = None,
+    ) -> Checkpointer: ...
+
+    def check_loadable(
+        self, config: Any, dump_folder: str, expected: Mapping[str, tuple[int, ...]]
+    ) -> tuple[list[str], str | None]:
+        """Whether the checkpoint a run would resume from holds every model tensor with the
+        global shape in `expected` (by name), without loading it; the trainer's dry run asks."""
+
+    def check_space(
+        self, config: Any, dump_folder: str, state_bytes: int, steps: int
+    ) -> tuple[list[str], str | None]:
+        """Whether the checkpoints of a run whose saved state takes `state_bytes` and that
+        trains to step `steps` fit on the disk of their folder; the trainer asks before
+        training."""
+
+
+class CheckpointerPlugin:
+    """The defaults of `CheckpointerFactory`'s optional members, for a factory to inherit: it
+    cannot check a checkpoint offline, and does not check its disk. A subclass implements
+    `__call__`."""
+
+    def __call__(self, config: Any, **kwargs: Any) -> Checkpointer:
+        raise NotImplementedError(f"{type(self).__name__} builds no checkpointer")
+
+    def check_loadable(
+        self, config: Any, dump_folder: str, expected: Mapping[str, tuple[int, ...]]
+    ) -> tuple[list[str], str | None]:
+        return [], "this checkpointer cannot check a checkpoint offline"
+
+    def check_space(
+        self, config: Any, dump_folder: str, state_bytes: int, steps: int
+    ) -> tuple[list[str], str | None]:
+        return [], None

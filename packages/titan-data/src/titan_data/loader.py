@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from titan_core import Tokenizer, get_logger
+from titan_core import LoaderBase, Tokenizer, get_logger
 from titan_data.batches import Plan, Position, check_streams, produce, slot_of
 from titan_data.errors import BAD_ROWS, SKIP_HINT, DataError
 from titan_data.mixture import parse_datasets
@@ -26,7 +26,7 @@ log = get_logger("data")
 STATE_VERSION = 2
 
 
-class TitanDataLoader:
+class TitanDataLoader(LoaderBase):
     """Yields `(inputs, labels)` int64 tensors of shape [batch_size, seq_len]: windows of
     `seq_len + 1` tokens, `inputs = window[:-1]`, `labels = window[1:]`.
 

@@ -11,6 +11,14 @@ Modes (the [activation_checkpoint] section):
   matmul as torchtitan does: that uses more memory than torchtitan's policy but needs no
   per-forward counting, and the recomputation cost is the smallest possible.
 
+- `memory_budget`: nothing is wrapped; the compiler's partitioner keeps at most
+  `memory_budget` of each compiled block's activations and recomputes the cheapest rest
+  (torch.compile's `activation_memory_budget`, a process-wide setting, so one budget per
+  process). Needs the blocks compiled.
+
+With `cpu_offload`, each block (checkpointed or not) is then wrapped to keep what autograd
+saves in host memory (see `titan_parallel.activation_offload`).
+
 Checkpointed blocks are wrapped in place (`model.layers[name]` becomes a `CheckpointWrapper`);
 their `state_dict` keys are unchanged.
 """
@@ -23,6 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan_core.config import ConfigError
+from titan_parallel.activation_offload import apply_activation_offload
 from titan_parallel.config import ActivationCheckpoint
 
 
@@ -78,8 +87,22 @@ def apply_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
     problems = ac.validate()
     if problems:
         raise ConfigError(problems)
-    if ac.mode == "none":
-        return
+    if ac.mode == "memory_budget":
+        _set_memory_budget(ac.memory_budget)
+    elif ac.mode != "none":
+        _wrap_checkpointed(model, ac)
+    if ac.cpu_offload:
+        apply_activation_offload(model)
+
+
+def _set_memory_budget(budget: float) -> None:
+    from torch._functorch import config
+
+    # Read when a block compiles (at its first call), so the value must stay set.
+    config.activation_memory_budget = budget
+
+
+def _wrap_checkpointed(model: nn.Module, ac: ActivationCheckpoint) -> None:
     layers: nn.ModuleDict = model.layers
     every = 1
     kwargs: dict = {"preserve_rng_state": ac.preserve_rng_state}

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from titan_parallel.activation_offload import OffloadWrapper
 from titan_parallel.config import Compile
 
 
@@ -25,6 +26,10 @@ def apply_compile(model: nn.Module, compile: Compile) -> None:
         return
     _run_side_effects_once_under_checkpoint()
     for block in model.layers.values():
+        # Activation offload's saved-tensor hooks are set around the compiled block, where
+        # they see what the compiled forward saves; dynamo does not trace them.
+        if isinstance(block, OffloadWrapper):
+            block = block._checkpoint_wrapped_module
         # Expert parallel's token exchange reads split sizes on the host and runs outside
         # the graph: a block holding it is compiled in the pieces around it.
         whole = not any(hasattr(m, "_titan_expert_shards") for m in block.modules())

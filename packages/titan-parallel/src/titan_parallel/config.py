@@ -12,6 +12,8 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from titan_core.parallel_dims import ParallelDims
 
 _DEGREES = (
@@ -170,27 +172,69 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "selective"
-    """Recompute activations in backward instead of keeping them: none, every block (full), or
-    selected blocks/ops (selective, see selective_ac_option)."""
+    mode: Literal["none", "full", "selective", "memory_budget"] = "selective"
+    """Recompute activations in backward instead of keeping them: none, every block (full),
+    selected blocks/ops (selective, see selective_ac_option), or what the compiler's partitioner
+    chooses to keep within `memory_budget` (memory_budget; needs [compile] of the model)."""
     selective_ac_option: str = "op"
     """For selective mode: `op` keeps the outputs of expensive ops (matmuls, attention, reductions)
     and recomputes the rest; an integer k checkpoints every k-th block fully."""
     preserve_rng_state: bool = False
     """Replay the random state during recomputation, so dropout-like ops match (costs time)."""
+    memory_budget: float = 0.5
+    """For memory_budget mode: the share, from 0 to 1, of a compiled block's activations (as
+    the compiler would keep them without a budget) that may stay for backward; the
+    partitioner recomputes the cheapest rest (by FLOPs). 1: the compiler's default, 0: about
+    what full recomputation keeps. torch.compile's `activation_memory_budget`."""
+    cpu_offload: bool = False
+    """Move the tensors each block saves for backward to host memory during forward and back
+    during its backward (pinned memory, asynchronous copies on CUDA): a step's activations
+    leave the device, at the cost of copying them there and back (host-link bandwidth). Works
+    with every mode; parameters and tensor-parallel (DTensor) activations stay on the device.
+    On a CPU the same copies run and save nothing."""
 
     def validate(self) -> list[str]:
         option = self.selective_ac_option
+        problems = []
         if (
             self.mode == "selective"
             and option != "op"
             and not (option.isdigit() and int(option) >= 1)
         ):
-            return [
+            problems.append(
                 f'[activation_checkpoint] selective_ac_option = "{option}" is not valid\n'
                 'use "op" to save expensive ops, or a positive integer k to checkpoint every k-th block'
-            ]
-        return []
+            )
+        if not 0 <= self.memory_budget <= 1:
+            problems.append(
+                f"[activation_checkpoint] memory_budget = {self.memory_budget} is not valid\n"
+                "use a share from 0 (recompute what can be) to 1 (the compiler's default)"
+            )
+        if self.cpu_offload and (
+            self.mode == "full" or (self.mode == "selective" and option == "op")
+        ):
+            problems.append(
+                f"[activation_checkpoint] cpu_offload = true with mode = {self.mode}"
+                + (' (selective_ac_option = "op")' if self.mode == "selective" else "")
+                + ": every block is checkpointed and keeps its own tensors, so there is"
+                " nothing to offload\n"
+                'use mode = "none", "memory_budget" or selective with an integer option,'
+                " or turn cpu_offload off"
+            )
+        if self.mode == "memory_budget" and not has_memory_budget():
+            problems.append(
+                f'[activation_checkpoint] mode = "memory_budget" needs torch.compile\'s activation'
+                f" memory budget, which torch {torch.__version__} does not have\n"
+                'upgrade torch, or use mode = "selective" or "full"'
+            )
+        return problems
+
+
+def has_memory_budget() -> bool:
+    """Whether this torch's compiler partitioner takes an activation memory budget."""
+    from torch._functorch import config
+
+    return hasattr(config, "activation_memory_budget")
 
 
 _COMPONENTS = ("model", "loss")
@@ -249,6 +293,18 @@ def check_parallelize_config(
         fsdp = p.data_parallel_shard_degree != 1 or p.context_parallel_degree > 1
         ddp = p.data_parallel_replicate_degree > 1 and not fsdp
     compiled = compile.compiles("model")
+    if ac.mode == "memory_budget" and not compiled:
+        problems.append(
+            '[activation_checkpoint] mode = "memory_budget" is applied by the compiler\'s'
+            " partitioner, and the model is not compiled\n"
+            'set [compile] enable = true with "model" in components, or use mode = "selective"'
+        )
+    elif ac.mode == "memory_budget" and compile.backend == "eager":
+        problems.append(
+            '[activation_checkpoint] mode = "memory_budget" needs a compile backend that'
+            " partitions forward and backward, and backend = eager does not\n"
+            "use --compile.backend inductor (or aot_eager)"
+        )
     if parallelism.enable_async_tensor_parallel and tp:
         if device_type != "cuda":
             problems.append(

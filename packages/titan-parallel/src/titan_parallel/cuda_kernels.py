@@ -10,6 +10,9 @@ backward than its CPU counterpart, the estimate of a GPU job would be too high. 
   keeps float32 copies of the input and of the normalised input: at Llama 3 8B's width and
   seq 8192, 256 MiB per norm instead of nothing beyond the input.
 
+- activation offload (`titan_parallel.activation_offload`): the copies it makes to the host
+  are host memory, not the GPU's: left out of the count (their bytes are reported apart).
+
 Compiled regions are left alone: there inductor's decompositions are the same on every device
 (see `titan_parallel.compiled_memory`).
 """
@@ -20,6 +23,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+from titan_parallel.activation_offload import host_memory_separate
 
 
 @contextlib.contextmanager
@@ -39,7 +44,8 @@ def cuda_kernels() -> Iterator[None]:
 
     torch.rms_norm = rms_norm  # F.rms_norm (nn.RMSNorm) calls it by this name
     try:
-        yield
+        with host_memory_separate():
+            yield
     finally:
         torch.rms_norm = original
 

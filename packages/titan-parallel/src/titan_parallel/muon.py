@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
+from titan_core.protocols import OptimizerPlugin
 from titan_parallel.sharded_stats import local
 
 AdjustLR = Literal["original", "match_rms_adamw"]
@@ -428,7 +429,17 @@ def _all_to_all(flat: torch.Tensor, send: list[int], recv: list[int], group) -> 
     return out
 
 
-def build_muon(params: list[Any], config: Any, *, total_steps: int, dims: Any = None) -> Muon:
+class MuonFactory(OptimizerPlugin):
+    """The `titan.optimizers` entry point `Muon` (`build_muon`); its state is counted as
+    Adam's (the non-matrix parameters' AdamW), the default."""
+
+    def __call__(
+        self, params: list[Any], config: Any, *, total_steps: int, dims: Any = None
+    ) -> Muon:
+        return _build_muon(params, config, total_steps=total_steps, dims=dims)
+
+
+def _build_muon(params: list[Any], config: Any, *, total_steps: int, dims: Any = None) -> Muon:
     """The `titan.optimizers` entry point `Muon`: a Muon from an [optimizer] section (lr,
     weight_decay, beta1, beta2, eps for AdamW, and the [optimizer.muon] options, a
     `MuonOptions`). `params` are parameter groups whose `use_muon` says which parameters Muon
@@ -451,3 +462,6 @@ def build_muon(params: list[Any], config: Any, *, total_steps: int, dims: Any = 
         eps=config.eps,
         distributed=m.distributed,
     )
+
+
+build_muon = MuonFactory()

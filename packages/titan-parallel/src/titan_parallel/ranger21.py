@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from titan_core.protocols import OptimizerPlugin, moment_size
 from titan_parallel import ranger21_kernels as kernels
 from titan_parallel.sharded_stats import local, reduce_sums, row_sums_groups, total_sums_groups
 
@@ -560,13 +561,31 @@ class AdamW(Ranger21):
         )
 
 
-def build_ranger21(
+class Ranger21Factory(OptimizerPlugin):
+    """The `titan.optimizers` entry point `Ranger21` (`build_ranger21`)."""
+
+    def __call__(
+        self, params: list[torch.Tensor], config: Any, *, total_steps: int, dims: Any = None
+    ) -> Ranger21:
+        """A Ranger21 from an [optimizer] section (lr, beta1, beta2, eps, state_dtype, and the
+        [optimizer.ranger21] switches, a `Ranger21Options`) for a run of `total_steps` steps
+        laid out as `dims` (its pipeline mesh carries the stable-weight-decay mean across
+        stages)."""
+        return _build_ranger21(params, config, total_steps=total_steps, dims=dims)
+
+    def state_copies(self, config: Any) -> float:
+        """Ranger21's moments (three with positive-negative momentum, in `state_dtype`), or
+        MADGRAD's two sums (in `state_dtype`) and its x0 (float32), and Lookahead's slow
+        weights (float32)."""
+        r = config.ranger21
+        moment = moment_size(config)
+        copies = 2 * moment + 1 if r.core == "madgrad" else (3 if r.pnm else 2) * moment
+        return copies + (1 if r.lookahead else 0)
+
+
+def _build_ranger21(
     params: list[torch.Tensor], config: Any, *, total_steps: int, dims: Any = None
 ) -> Ranger21:
-    """The `titan.optimizers` entry point `Ranger21`: a Ranger21 from an [optimizer] section
-    (lr, beta1, beta2, eps, state_dtype, and the [optimizer.ranger21] switches, a
-    `Ranger21Options`) for a run of `total_steps` steps laid out as `dims` (its pipeline mesh
-    carries the stable-weight-decay mean across stages)."""
     options = dataclasses.asdict(config.ranger21)  # every switch, under its keyword's name
     options["compiled"] = options.pop("compiled_step")
     if options["warmup_steps"] == -1:
@@ -582,3 +601,6 @@ def build_ranger21(
         state_dtype=getattr(torch, config.state_dtype),
         pipeline_group=pp_mesh.get_group() if pp_mesh is not None else None,
     )
+
+
+build_ranger21 = Ranger21Factory()

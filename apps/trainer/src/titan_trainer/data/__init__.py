@@ -10,7 +10,7 @@ from titan_trainer.data.loader import (
     data_coordinates,
     skipped_rows_total,
 )
-from titan_trainer.data.state import GlobalLoaderState, checkpointed_loader, plugin_kwargs
+from titan_trainer.data.state import GlobalLoaderState, checkpointed_loader
 
 __all__ = [
     "GlobalLoaderState",
@@ -19,7 +19,6 @@ __all__ = [
     "checkpointed_loader",
     "data_coordinates",
     "dataset_problems",
-    "plugin_kwargs",
     "skipped_rows_total",
     "tokenizer_problems",
 ]

@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from titan_core import ParallelDims, dp_coordinates
-from titan_trainer.data.state import plugin_kwargs
 from titan_trainer.guards import StartupError
 
 
@@ -49,7 +48,7 @@ def build_loader(config, data, tokenizer, dims: ParallelDims):
         pin_memory=t.dataloader.pin_memory,
         seed=t.seed if t.seed is not None else 0,
     )
-    return build_checked_loader(data, **plugin_kwargs(data.build_dataloader, kwargs, t.data_plugin))
+    return build_checked_loader(data, **kwargs)
 
 
 def build_checked_loader(data, section: str = "training", **kwargs):
@@ -66,9 +65,9 @@ def build_checked_loader(data, section: str = "training", **kwargs):
 
 
 def skipped_rows_total(loader, dp_mesh, device: torch.device) -> int:
-    """Bad rows the data-parallel ranks' loaders have skipped, summed (0 for loaders that do not
-    count them). A collective over `dp_mesh`; called at logging steps only."""
-    count = torch.tensor([float(getattr(loader, "skipped_rows", 0))])
+    """Bad rows the data-parallel ranks' loaders have skipped (`StatefulLoader.skipped_rows`),
+    summed. A collective over `dp_mesh`; called at logging steps only."""
+    count = torch.tensor([float(loader.skipped_rows)])
     if dp_mesh is None:
         return int(count.item())
     count = count.to(device if dp_mesh.device_type != "cpu" else "cpu")

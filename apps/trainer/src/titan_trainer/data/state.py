@@ -1,4 +1,4 @@
-"""The data loader's place in the checkpoint, and the keyword arguments a data plugin takes.
+"""The data loader's place in the checkpoint.
 
 A loader whose state is a position in a global sample order (`merge_state_dicts`, see
 `titan_core.StatefulLoader`) is checkpointed as that one global position: at save time the
@@ -9,14 +9,11 @@ loaders keep their per-rank state.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch.distributed as dist
 
-from titan_core import GLOBAL_STATE, get_logger
-
-log = get_logger("data")
+from titan_core import GLOBAL_STATE
 
 
 class GlobalLoaderState:
@@ -46,40 +43,3 @@ def checkpointed_loader(loader, dp_mesh, *, per_rank: bool):
     if per_rank or not callable(getattr(loader, "merge_state_dicts", None)):
         return loader
     return GlobalLoaderState(loader, None if dp_mesh is None else dp_mesh.get_group())
-
-
-OPTIONAL = {
-    "global_batch_size": None,
-    "num_workers": 0,
-    "prefetch_factor": None,
-    "pin_memory": None,
-    "seed": None,
-    "text_field": "text",
-}
-"""Keywords newer than the first data plugins, with the value that asks for nothing (None:
-any value may be dropped silently)."""
-
-
-def plugin_kwargs(build, kwargs: dict[str, Any], plugin: str) -> dict[str, Any]:
-    """`kwargs` without the optional keywords `build` (a plugin's `build_dataloader`) does not
-    take; dropping one that asks for something (workers) is named in a warning."""
-    try:
-        params = inspect.signature(build).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    dropped = [
-        k
-        for k in kwargs
-        if k not in params and k in OPTIONAL and OPTIONAL[k] not in (None, kwargs[k])
-    ]
-    kwargs = {k: v for k, v in kwargs.items() if k in params or k not in OPTIONAL}
-    if dropped:
-        log.warning(
-            "data plugin %s does not take %s; training without %s",
-            plugin,
-            ", ".join(dropped),
-            "them" if len(dropped) > 1 else "it",
-        )
-    return kwargs

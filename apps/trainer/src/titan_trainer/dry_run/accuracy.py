@@ -60,6 +60,20 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
         2,
         ["--activation_checkpoint.mode", "selective", "--compile.enable"],
     ),
+    # Memory-saving modes: parameters, gradients and AdamW's moments in bf16; the compiler's
+    # activation budget; activation offload (on a CPU the host copies are the same memory).
+    "FSDP 2 bf16 params": (
+        2,
+        ["--training.dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16"],
+    ),
+    "1 process + AC memory_budget 0.3 compiled": (
+        1,
+        [
+            *("--activation_checkpoint.mode", "memory_budget"),
+            *("--activation_checkpoint.memory_budget", "0.3", "--compile.enable"),
+        ],
+    ),
+    "1 process + activation offload": (1, ["--activation_checkpoint.cpu_offload", "true"]),
     "MoE FSDP 2 + AC full compiled": (
         2,
         [*_MOE, "--activation_checkpoint.mode", "full", "--compile.enable"],

@@ -16,6 +16,7 @@ from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
 from titan_trainer.dry_run.simulate import Simulation, simulate
 from titan_trainer.layout import layout_text
+from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
 from titan_trainer.preflight import preflight_problems
 
 EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
@@ -96,7 +97,7 @@ def dry_run(config: JobConfig, out=print) -> int:
             f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
             f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
         )
-    for note in notes:
+    for note in [*notes, *memory_mode_notes(config, sim.worst.offloaded)]:
         out(f"note: {note}")
     out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
     if problems:
@@ -123,8 +124,8 @@ def gib_text(value: float) -> str:
 def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
     dims = config.parallelism.build_parallel_dims(world_size)
     t = config.training
-    dtype = "float32" if t.mixed_precision_param == "float32" else "bfloat16"
-    extra = [f"AC {config.activation_checkpoint.mode}"]
+    dtype = dtype_text(t)
+    extra = [ac_text(config.activation_checkpoint)]
     if config.model.converters:
         extra.append(", ".join(config.model.converters))
     if dims.pp_enabled:
@@ -164,14 +165,10 @@ def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -
     if not ckpt.enable or ckpt.create_seed_checkpoint:
         return []
     factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    check = getattr(factory, "check_loadable", None)
-    if check is None:
-        notes.append(f"checkpointer {ckpt.checkpointer!r} cannot check a checkpoint offline")
-        return []
     expected: dict[str, tuple[int, ...]] = {}
     for role in sim.roles:
         expected.update(role.checkpoint_shapes)
-    problems, note = check(ckpt, config.job.dump_folder, expected)
+    problems, note = factory.check_loadable(ckpt, config.job.dump_folder, expected)
     notes.append(note)
     return problems
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import titan_parallel
 from titan_core import MemoryMonitor, supports_bf16
+from titan_parallel.activation_offload import offloaded_bytes
 from titan_parallel.memory_estimate import (
     GiB,
     MemoryBreakdown,
@@ -41,12 +42,13 @@ from titan_parallel.memory_estimate import (
     resident_bytes,
 )
 from titan_trainer.config import JobConfig
-from titan_trainer.layout import accumulation_steps, build_meta_model
+from titan_trainer.layout import build_meta_model
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.model import build_converters, build_model
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
 from titan_trainer.precision import target_compute_dtype
+from titan_trainer.step import accumulation_steps
 
 
 @dataclass
@@ -58,6 +60,9 @@ class RoleResult:
     step: MemoryBreakdown
     init_peak: int
     checkpoint_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    offloaded: int = 0
+    """Bytes of activations one step moves to host memory ([activation_checkpoint]
+    cpu_offload; simulated GPU runs only)."""
     rss_peak: int | None = None
     """Measured runs only: the peak by the operating system's count: what persisted before the
     step plus how far the process's resident set rose during it."""
@@ -170,7 +175,12 @@ def measure_rank(
     dims = config.parallelism.build_parallel_dims(world_size)
     dims.build_mesh("cpu")
     dtype = target_compute_dtype(config.training.mixed_precision_param)
-    if not fake and dtype == torch.bfloat16 and not supports_bf16(torch.device("cpu")):
+    if (
+        not fake
+        and dtype == torch.bfloat16
+        and config.training.dtype == "float32"  # bf16 parameters compute in bf16 everywhere
+        and not supports_bf16(torch.device("cpu"))
+    ):
         dtype = torch.float32  # what the trainer itself would compute in here
     seed = config.training.seed or 0
     runtime = build_parallel_runtime(
@@ -197,6 +207,7 @@ def measure_rank(
         resident = 0 if fake else resident_bytes(parts, optimizer)
         with rss or contextlib.nullcontext(), _kernels(kernels):
             breakdown = estimate_step_memory(parts, optimizer, step, warmup_steps=0)
+            offloaded = offloaded_bytes() if kernels == "cuda" else 0
         shapes = _state_shapes(parts)
     return RoleResult(
         role,
@@ -204,6 +215,7 @@ def measure_rank(
         breakdown,
         init_peak,
         shapes,
+        offloaded,
         None if rss is None else resident + rss.growth,
     )
 

@@ -100,7 +100,7 @@ class Llama4Args(DecoderArgs):
 
 def _moe(num_experts: int, hidden: int) -> MoEArgs:
     # Llama 4: the best expert by sigmoid score (its score multiplied into its input) plus one
-    # shared expert, balanced as Hugging Face's Llama 4 is.
+    # shared expert, balanced with HF_BALANCING (which says how that differs from the references).
     return MoEArgs(
         num_experts=num_experts,
         top_k=1,

@@ -83,9 +83,10 @@ class MoEArgs:
 
 
 HF_BALANCING = dict(load_balance_coeff=None, aux_loss_alpha=1e-3, aux_loss_type="batch")
-"""Balancing as Hugging Face's Qwen3-MoE and Llama 4 have it: the batch-level auxiliary loss at
-their `router_aux_loss_coef` (0.001) and no expert bias, which their checkpoints cannot hold
-(so a trained model exports)."""
+"""Balancing for Qwen3-MoE and Llama 4: the batch-level auxiliary loss at their Hugging Face
+configs' `router_aux_loss_coef` (0.001) and no expert bias, which their checkpoints cannot hold
+(so a trained model exports). Qwen3-MoE's reference trains so; Llama 4's do not: Hugging Face's
+Llama 4 computes no balance loss, torchtitan's balances with the expert bias (0.001)."""
 
 A = TypeVar("A")
 

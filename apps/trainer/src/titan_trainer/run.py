@@ -1,0 +1,102 @@
+"""What one training run holds (`Run`, built once by `titan_trainer.train.prepare`), its progress
+as the checkpoint keeps it (`TrainState`) and what it returns (`TrainResult`)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_core import (
+    Checkpointer,
+    Converter,
+    DataSpec,
+    DistInfo,
+    ParallelDims,
+    StatefulLoader,
+    Tokenizer,
+)
+from titan_trainer.config import JobConfig
+from titan_trainer.lr_schedule import LRSchedule
+from titan_trainer.parallel import ParallelRuntime
+from titan_trainer.step import ALONE, StepCoordinator
+
+
+@dataclass
+class TrainState:
+    """What the checkpoint needs to know about progress, besides modules and optimizer."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    run_id: str = field(default_factory=lambda: new_run_id())
+    """Names the run's series of metrics: new for a fresh run, kept (from the checkpoint) by
+    its resumes, so that a later run in the same dump folder is never drawn as its sequel."""
+    losses: list[float] = field(default_factory=list)
+    """Loss per step in this process's lifetime, read back at logging steps (not checkpointed;
+    for tests and summaries)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "run_id": self.run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        # Checkpoints written before run ids carry none: their resume starts a series.
+        self.run_id = str(state.get("run_id", self.run_id))
+
+
+def shared_run_id() -> str:
+    """A new run id, rank 0's on every rank (any rank's copy may be the one a checkpoint keeps)."""
+    import torch.distributed as dist
+
+    run_id = [new_run_id()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(run_id, src=0)
+    return run_id[0]
+
+
+def new_run_id() -> str:
+    """`20251123-103511-4f2a`: when the run started, and 16 random bits for runs started in
+    the same second."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+@dataclass
+class TrainResult:
+    steps_run: int
+    final_step: int
+    losses: list[float]
+    stopped_early: bool
+    stopped_by: str | None = None
+    """What stopped the run before its last step: "SIGTERM" (after saving a checkpoint when
+    checkpoints are on) or "SIGINT" (Ctrl-C); None when it finished."""
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, built once by `prepare`."""
+
+    config: JobConfig
+    info: DistInfo
+    dims: ParallelDims
+    runtime: ParallelRuntime
+    data: DataSpec
+    tokenizer: Tokenizer
+    loader: StatefulLoader
+    converters: list[Converter]
+    parts: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRSchedule
+    state: TrainState
+    checkpointer: Checkpointer | None
+    """None when no checkpointing is asked for."""
+    coordinator: StepCoordinator = ALONE
+    """How the steps meet other replica groups ([fault_tolerance]); the plain one does nothing."""
+
+    @property
+    def dump(self) -> str:
+        return self.config.job.dump_folder

@@ -1,0 +1,96 @@
+"""How a run stops: a SIGTERM (preemption, or torchrun stopping the ranks) asks for a checkpoint
+and a clean stop at the end of the step; the checkpoints that are due are saved; and at the end,
+whatever ended the run, its pieces are closed in an order that keeps the run's own error the
+one reported."""
+
+from __future__ import annotations
+
+import signal
+
+from titan_core import get_logger
+from titan_trainer.run import Run, TrainResult
+
+log = get_logger("train")
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption notice, or torchrun stopping the ranks after one
+    failed) asks the loop to checkpoint and stop. This rank's flight-recorder trace is written
+    at once too: a rank stuck outside a collective would otherwise leave none."""
+
+    def __init__(self, on_signal=None) -> None:
+        self.requested = False
+        self._previous = None
+        self._on_signal = on_signal
+
+    def __enter__(self) -> StopRequest:
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        if self._on_signal is not None:
+            self._on_signal()
+
+    def __exit__(self, exc_type, *_) -> None:
+        if self._previous is None:
+            return
+        if exc_type is not None and exc_type is not KeyboardInterrupt:
+            # Stopping on an error: when a peer died, torchrun's SIGTERM follows within
+            # moments, and it must not end this rank before its error is reported.
+            signal.signal(signal.SIGTERM, lambda *_: None)
+            return
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
+    """The checkpointer decides whether a step is due; a preemption save is a full, resumable
+    one, never the last step's export."""
+    saving = run.checkpointer is not None and run.config.checkpoint.enable
+    if preempted:
+        if saving:
+            log.warning("SIGTERM: saving a full checkpoint at step %d and stopping", run.state.step)
+        else:
+            log.warning(
+                "SIGTERM: stopping at step %d without a checkpoint (checkpoint.enable is false)",
+                run.state.step,
+            )
+    if saving:
+        run.checkpointer.save(run.state.step, last_step=last, force=preempted and not last)
+
+
+def write_seed_checkpoint(run: Run) -> TrainResult:
+    run.checkpointer.save(0, last_step=True)
+    run.checkpointer.close()
+    log.info("seed checkpoint written; start training without --checkpoint.create_seed_checkpoint")
+    return TrainResult(0, 0, [], False)
+
+
+def close_run(run: Run, *, after_error: bool) -> None:
+    """The run's end, however it came: the checkpointer's in-flight save finished, the loader's
+    worker processes stopped (before the interpreter exits), the coordination ended."""
+    close_checkpointer(run.checkpointer, after_error=after_error)
+    run.loader.close()
+    run.coordinator.close()
+
+
+def close_checkpointer(checkpointer, after_error: bool) -> None:
+    """Finish the checkpointer's in-flight save. After an error a peer may be gone, and closing
+    (it may wait on the other ranks) can fail too: that failure is logged, not raised, so that
+    the error reported is the one that ended the run."""
+    if checkpointer is None:
+        return
+    if not after_error:
+        checkpointer.close()
+        return
+    try:
+        checkpointer.close()
+    except Exception as e:  # the run's own error is already on its way out
+        log.warning(
+            "the checkpointer could not finish after the error (%s); the newest complete"
+            " checkpoint is unaffected",
+            str(e).splitlines()[0][:200],
+        )
