@@ -62,6 +62,7 @@ def paused(fn):
 def main(out: str, work: str) -> None:
     from titan_core import init_logging, load_config
     from titan_trainer import train as train_module
+    from titan_trainer import window as window_module
     from titan_trainer.config import JobConfig
     from titan_trainer.dry_run import dry_run
     from titan_trainer.preflight import preflight_problems
@@ -70,7 +71,7 @@ def main(out: str, work: str) -> None:
 
     # Writing the resolved config reads every key; that is not using them.
     train_module.to_toml = paused(train_module.to_toml)
-    train_module.config_to_dict = paused(train_module.config_to_dict)
+    window_module.config_to_dict = paused(window_module.config_to_dict)
     init_logging()
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
     common = [
