@@ -325,10 +325,16 @@ class StatefulLoader(Protocol):
         """Stop what the loader started (worker processes); the trainer calls it at the end of
         the run, however it ends."""
 
+    merge_state_dicts: Callable[[list[dict[str, Any]]], dict[str, Any]] | None
+    """None, or (for a loader whose position is one of the whole job) the method joining every
+    data-parallel rank's `state_dict()` into that global position (see above)."""
+
 
 class LoaderBase:
     """The defaults of `StatefulLoader`'s optional members, for a loader to inherit: no rows
-    skipped, no mixture to report, nothing to close."""
+    skipped, no mixture to report, nothing to close, a state of this rank's only."""
+
+    merge_state_dicts: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
 
     @property
     def skipped_rows(self) -> int:
@@ -340,6 +346,15 @@ class LoaderBase:
 
     def close(self) -> None:
         pass
+
+
+@runtime_checkable
+class NamesItsOption(Protocol):
+    """An error a plugin raises whose advice names the setting to change (titan-data's
+    `MissingTextField` names `text_field`): `for_option(name)` is the same error naming the
+    caller's own setting instead (a config key such as `[training] dataset_text_field`)."""
+
+    def for_option(self, option: str) -> Exception: ...
 
 
 GLOBAL_STATE = "state_is_global"

@@ -4,7 +4,7 @@ job, its first document read."""
 
 from __future__ import annotations
 
-from titan_core import PluginError, first_line, plugins, resolve
+from titan_core import NamesItsOption, PluginError, first_line, plugins, resolve
 from titan_trainer.model import hf_import_vocab
 
 
@@ -80,7 +80,7 @@ def _hf_vocab_problems(config, tokenizer_path: str, vocab_size: int, notes: list
 
 
 def _described(data, section: str, dataset: str, path: str | None, notes: list[str]) -> list[str]:
-    describe = getattr(data, "describe_dataset", None)
+    describe = data.describe_dataset
     if describe is None:
         notes.append(
             f"data plugin {data.name!r} cannot check [{section}] dataset before loading it"
@@ -95,13 +95,13 @@ def _described(data, section: str, dataset: str, path: str | None, notes: list[s
 
 def _opened(data, section: str, dataset: str, path: str | None) -> list[str]:
     """The data plugin reads the dataset's first document (see `DataSpec.check_dataset`)."""
-    check = getattr(data, "check_dataset", None)
+    check = data.check_dataset
     if check is None:
         return []
     try:
         check(dataset, path)
     except Exception as e:  # noqa: BLE001 - whatever a plugin raises, its message is the answer
-        if callable(getattr(e, "for_option", None)):
+        if isinstance(e, NamesItsOption):
             # A first row without the default text field: reachable, and the loader checks the
             # field with the run's dataset_text_field, naming that key (data/loader.py).
             return []

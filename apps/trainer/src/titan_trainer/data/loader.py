@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titan_core import ParallelDims, dp_coordinates
+from titan_core import NamesItsOption, ParallelDims, dp_coordinates
 from titan_trainer.guards import StartupError
 
 
@@ -59,8 +59,9 @@ def build_checked_loader(data, section: str = "training", **kwargs):
     except (ValueError, FileNotFoundError) as e:
         # A plugin's error that can name the setting choosing the text field (titan-data's
         # MissingTextField) names ours.
-        renamed = getattr(e, "for_option", None)
-        shown = renamed(f"[{section}] dataset_text_field") if callable(renamed) else e
+        shown = (
+            e.for_option(f"[{section}] dataset_text_field") if isinstance(e, NamesItsOption) else e
+        )
         raise StartupError(f"[{section}] dataset {kwargs.get('dataset')!r}: {shown}") from e
 
 

@@ -40,6 +40,6 @@ class GlobalLoaderState:
 def checkpointed_loader(loader, dp_mesh, *, per_rank: bool):
     """The object the checkpointer gets for `loader` (see the module docstring); `per_rank`
     keeps the loader's own state (replica groups checkpoint their data separately)."""
-    if per_rank or not callable(getattr(loader, "merge_state_dicts", None)):
+    if per_rank or loader.merge_state_dicts is None:
         return loader
     return GlobalLoaderState(loader, None if dp_mesh is None else dp_mesh.get_group())

@@ -27,29 +27,14 @@ from titan_trainer.dry_run.simulate import RoleResult, rank_roles, simulate_rank
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 # Small layouts of the debug model (fp32) whose peaks are compared.
+_SHARD = "--parallelism.data_parallel_shard_degree"
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
     "FSDP 2": (2, []),
-    "HSDP 2x2": (
-        4,
-        [
-            "--parallelism.data_parallel_replicate_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "2",
-        ],
-    ),
+    "HSDP 2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", _SHARD, "2"]),
     "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "PP 2 (1F1B)": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-    "CP 2": (
-        2,
-        [
-            "--parallelism.context_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-        ],
-    ),
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2", _SHARD, "1"]),
     "FSDP 2 + AC full": (2, ["--activation_checkpoint.mode", "full"]),
     "FSDP 2 + AC selective op": (2, ["--activation_checkpoint.mode", "selective"]),
     "FSDP 2 + Float8": (2, ["--model.converters", "quantize.linear.float8"]),
