@@ -144,8 +144,8 @@ def test_the_readme_tokenizer_and_import_config_loads(tmp_path):
     from titan_trainer.config import JobConfig
 
     readme = (TRAINER / "README.md").read_text()
-    block = next(b for b in readme.split("```toml\n")[1:] if "tokenizer_path" in b)
-    (tmp_path / "job.toml").write_text(block.split("```")[0])
+    blocks = [b.split("```")[0] for b in readme.split("```toml\n")[1:]]
+    (tmp_path / "job.toml").write_text(next(b for b in blocks if "tokenizer_path" in b))
     config = load_config(JobConfig, [], toml_path=tmp_path / "job.toml")
     assert config.model.tokenizer_path == config.checkpoint.initial_load_path
     assert config.checkpoint.initial_load_in_hf and config.checkpoint.initial_load_model_only
