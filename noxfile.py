@@ -51,12 +51,6 @@ DURATIONS = 25
 # by side on the cores instead.
 TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
-# The trainer's tests mostly wait on one single-threaded process (a CLI run, a launch), which
-# left the second core of a 2-core machine idle half of the suite (measured with vmstat):
-# they run in one worker per core (at most 4, as their launches start up to 4 ranks each),
-# a file's tests in one worker so that its module fixtures run once.
-PARALLEL = {"titan-trainer": ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]}
-
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -126,8 +120,7 @@ for _dist in PACKAGES:
     @nox.session(name=f"tests-{_dist}", venv_backend="none")
     def tests(session: nox.Session, dist: str = _dist) -> None:
         """One package's tests in the workspace environment."""
-        args = [*PARALLEL.get(dist, []), *_pytest_args(session, dist)]
-        session.run("uv", "run", "--frozen", "pytest", *args, env=TEST_ENV)
+        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist), env=TEST_ENV)
 
 
 for _dist in PACKAGES:
