@@ -20,12 +20,15 @@ class StopRequest:
 
     def __init__(self, on_signal=None) -> None:
         self.requested = False
+        self.interrupted = False
         self._previous = None
+        self._previous_int = None
         self._on_signal = on_signal
 
     def __enter__(self) -> StopRequest:
         try:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous_int = signal.signal(signal.SIGINT, self._interrupt)
         except ValueError:  # not the main thread: leave signals alone
             self._previous = None
         return self
@@ -35,9 +38,18 @@ class StopRequest:
         if self._on_signal is not None:
             self._on_signal()
 
+    def _interrupt(self, signum, frame) -> None:
+        """Ctrl-C: the loop stops before its next step. A KeyboardInterrupt raised wherever
+        the signal lands can be swallowed (one raised inside a finalizer is only printed), so
+        the first Ctrl-C is a flag the loop reads; a second one interrupts at once."""
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+
     def __exit__(self, exc_type, *_) -> None:
         if self._previous is None:
             return
+        signal.signal(signal.SIGINT, self._previous_int)
         if exc_type is not None and exc_type is not KeyboardInterrupt:
             # Stopping on an error: when a peer died, torchrun's SIGTERM follows within
             # moments, and it must not end this rank before its error is reported.

@@ -277,6 +277,8 @@ def run_steps(run: Run) -> TrainResult:
             maybe_memory_snapshot(config.profiling, run.dump, run.info.rank),
         ):
             while state.step < config.training.steps:
+                if stop.interrupted:
+                    raise KeyboardInterrupt  # Ctrl-C during the last step: stopped below
                 state.step += 1
                 # This step's lr comes from the schedule and the step alone, never from what a
                 # loaded checkpoint left in the optimizer's param_groups.
