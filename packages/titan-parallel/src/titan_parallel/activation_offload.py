@@ -69,12 +69,6 @@ class _HostCopies:
         self._copies.clear()
 
 
-def offload_saved_tensors() -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved-tensor hooks that keep what autograd saves in host memory (see the module
-    docstring), each saved tensor copied by itself."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-
-
 def _pack(tensor: torch.Tensor):
     # Wrapper subclasses (DTensor, Float8 tensors) keep a layout of their own; fake tensors
     # (a memory estimate's) are offloaded as the real ones would be.
