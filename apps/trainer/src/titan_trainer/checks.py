@@ -13,6 +13,7 @@ import torch
 from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
 from titan_trainer.config import JobConfig
 from titan_trainer.layout import Layout
+from titan_trainer.model import moe_balance_for
 from titan_trainer.optimizer import optimizer_factory, optimizer_problem
 
 
@@ -181,12 +182,19 @@ def _expert_problems(config: JobConfig, layout: Layout) -> list[str]:
     return problems
 
 
+MOE_BALANCE_KEYS = (
+    "moe_aux_loss_alpha",
+    "moe_load_balance_coeff",
+    "moe_router_selection",
+    "moe_capacity_factor",
+)
+
+
 def _balance_problems(config: JobConfig) -> list[str]:
-    """The MoE balancing keys on a flavor without experts would do nothing: say so."""
+    """The MoE balancing keys on a flavor without experts would do nothing, and some do not
+    go together (Sinkhorn selection and the expert bias): say so."""
     m = config.model
-    keys = [
-        k for k in ("moe_aux_loss_alpha", "moe_load_balance_coeff") if getattr(m, k) is not None
-    ]
+    keys = [k for k in MOE_BALANCE_KEYS if getattr(m, k) is not None]
     if not keys:
         return []
     try:
@@ -194,6 +202,13 @@ def _balance_problems(config: JobConfig) -> list[str]:
     except (PluginError, KeyError):
         return []  # reported as such by the checks above
     if getattr(args, "moe", None) is not None:
+        moe = moe_balance_for(args.moe, config)
+        if moe.router_selection == "sinkhorn" and moe.load_balance_coeff is not None:
+            return [
+                f"[model] moe_router_selection = 'sinkhorn' with {m.name} {m.flavor}'s expert"
+                f" bias (moe_load_balance_coeff {moe.load_balance_coeff}): Sinkhorn balances"
+                " every step itself\nset [model] moe_load_balance_coeff = 0 with it"
+            ]
         return []
     return [
         f"[model] {keys[0]} is set but {m.name} {m.flavor} has no mixture-of-experts layers\n"

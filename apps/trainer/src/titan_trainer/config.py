@@ -53,6 +53,20 @@ class Model:
     """Mixture-of-experts models: how far each expert's selection bias moves towards even load
     after every optimizer step (DeepSeek-V3's auxiliary-loss-free balancing); unset: the
     flavor's own; 0 turns it off."""
+    moe_router_selection: Literal["topk", "sinkhorn"] | None = None
+    """Mixture-of-experts models: how training ranks each token's experts. `topk`: by score,
+    as every family's reference; `sinkhorn`: by the router's logits balanced over each
+    sequence's tokens (Megatron-LM's sinkhorn load balancing). The weights stay the router's
+    scores; validation, generation and Hugging Face export rank by score. Not with the expert
+    bias (set moe_load_balance_coeff = 0). Unset: the flavor's own (the MoE debug flavors:
+    sinkhorn)."""
+    moe_capacity_factor: float | None = None
+    """Mixture-of-experts models: in training, each expert takes at most this times its even
+    share of a sequence's token choices, the tokens ranking it highest first; the rest go to
+    their next-ranked expert with room (re-routed, not dropped), so every layer's max/mean
+    load stays at or under it (each sequence on its own, whatever the parallel layout;
+    under context parallel each rank's part). Unset: the flavor's own (the MoE debug
+    flavors: 1.25); 0 turns it off."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
     the earlier tokens of its own document (documents start at the tokenizer's BOS, or for one
@@ -91,11 +105,19 @@ class Model:
         )
 
     def validate(self) -> list[str]:
-        return [
+        problems = [
             f"[model] {key} = {value} is not valid\nuse 0 (off), a positive weight, or leave it unset for the flavor's"
             for key in ("moe_aux_loss_alpha", "moe_load_balance_coeff")
             if (value := getattr(self, key)) is not None and value < 0
         ]
+        factor = self.moe_capacity_factor
+        if factor is not None and factor != 0 and not factor >= 1:
+            problems.append(
+                f"[model] moe_capacity_factor = {factor} is not valid\nuse 0 (no limit), 1 or"
+                " more (the experts must have room for every token's choices), or leave it"
+                " unset for the flavor's"
+            )
+        return problems
 
 
 @dataclass

@@ -48,6 +48,10 @@ def moe_balance_for(moe, config: JobConfig):
         changes["aux_loss_alpha"] = m.moe_aux_loss_alpha
     if m.moe_load_balance_coeff is not None:
         changes["load_balance_coeff"] = m.moe_load_balance_coeff or None
+    if m.moe_router_selection is not None:
+        changes["router_selection"] = m.moe_router_selection
+    if m.moe_capacity_factor is not None:
+        changes["capacity_factor"] = m.moe_capacity_factor or None
     return dataclasses.replace(moe, **changes)
 
 

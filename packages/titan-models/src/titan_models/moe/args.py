@@ -45,6 +45,22 @@ class MoEArgs:
     Mixtral and Hugging Face's `load_balancing_loss_func`). The batch-level loss is taken over
     each rank's microbatch, as Hugging Face and Megatron take it by default, so its value and
     gradient depend on the data-parallel layout; the sequence-wise one does not."""
+    router_selection: Literal["topk", "sinkhorn"] = "topk"
+    """How training ranks each token's experts: `topk`, by score (plus the expert bias), as
+    every family's reference; `sinkhorn`, by logits Sinkhorn-balanced over the tokens of each
+    sequence (Megatron-LM's `sinkhorn` balancing, S-BASE; see `titan_models.moe.router`). The
+    weights stay the chosen experts' scores; eval and generation rank by score. Not with the
+    expert bias (its per-step balancing does what the bias does)."""
+    sinkhorn_iters: int = 8
+    """Sinkhorn iterations of `router_selection = "sinkhorn"`."""
+    capacity_factor: float | None = None
+    """In training, an expert takes at most this times its even share of each sequence's
+    choices (tokens x top_k / num_experts, rounded up), the tokens ranking it highest first;
+    the others go to their next-ranked expert with room (re-routed, not dropped), so a layer's
+    max/mean load stays at or under it. None: no limit. Each sequence on its own: the choice
+    does not depend on the data-parallel, expert-parallel or pipeline layout; under context
+    parallel each rank limits its own part of the sequence. Costs top_k x (num_experts + 1)
+    small passes per layer: meant for few experts."""
     use_grouped_mm: bool = True
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
@@ -73,6 +89,20 @@ class MoEArgs:
             )
         if self.aux_loss_type not in ("sequence", "batch"):
             out.append(f"aux_loss_type = {self.aux_loss_type!r}: use sequence or batch")
+        if self.router_selection not in ("topk", "sinkhorn"):
+            out.append(f"router_selection = {self.router_selection!r}: use topk or sinkhorn")
+        elif self.router_selection == "sinkhorn" and self.load_balance_coeff is not None:
+            out.append(
+                "router_selection = 'sinkhorn' balances each step itself: set"
+                " load_balance_coeff = None (no expert bias) with it"
+            )
+        if self.capacity_factor is not None and self.capacity_factor < 1:
+            out.append(
+                f"capacity_factor = {self.capacity_factor} must be 1 or more (None: no limit):"
+                " the experts must have room for every token's choices"
+            )
+        if self.sinkhorn_iters < 1:
+            out.append(f"sinkhorn_iters = {self.sinkhorn_iters} must be 1 or more")
         if self.aux_loss_alpha < 0:
             out.append(f"aux_loss_alpha = {self.aux_loss_alpha} must be 0 (none) or more")
         if self.score_func not in ("softmax", "sigmoid"):
@@ -87,6 +117,14 @@ HF_BALANCING = dict(load_balance_coeff=None, aux_loss_alpha=1e-3, aux_loss_type=
 configs' `router_aux_loss_coef` (0.001) and no expert bias, which their checkpoints cannot hold
 (so a trained model exports). Qwen3-MoE's reference trains so; Llama 4's do not: Hugging Face's
 Llama 4 computes no balance loss, torchtitan's balances with the expert bias (0.001)."""
+
+BALANCED_DEBUG = dict(router_selection="sinkhorn", capacity_factor=1.25, load_balance_coeff=None)
+"""What the MoE debug flavors add to their reference's auxiliary loss: Sinkhorn selection and
+an expert capacity of 1.25 in training (Megatron-LM's scheme and a capacity limit, not the
+references'). At the debug configs' lr 3e-3 the router's inputs grow nearly parallel within
+a few steps, and every balancer that reacts to the previous steps' loads (auxiliary loss of
+any weight, expert bias of any step) leaves layers at 2-8 times their share; these act on the
+current tokens. Inference routes as the reference does (plain top-k of the scores)."""
 
 A = TypeVar("A")
 

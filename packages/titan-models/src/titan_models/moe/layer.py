@@ -83,7 +83,7 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         bias = self.expert_bias if a.load_balance_coeff is not None else None
-        weights, experts, scores = self.router(tokens, bias)
+        weights, experts, scores = self.router(tokens, bias, batch)
         flat = experts.flatten()  # token t's choices at t*k .. t*k+k-1
         # Tokens per expert, with a shape known before the data (fake tensors, compile).
         counts = torch.zeros(a.num_experts, dtype=torch.int64, device=flat.device)

@@ -5,12 +5,33 @@ auxiliary-loss-free balancing of DeepSeek-V3, arXiv:2412.19437 section 2.1.2) sh
 experts are *chosen*, never the weights the chosen ones get. Group-limited routing (the same
 paper, and DeepSeek-V2) first keeps the `top_k_groups` best groups of experts per token, a
 group ranked by the sum of its two best scores (its best one when groups have one expert).
+
+Two training-only choices balance the experts within the current batch, each sequence on its
+own (so the choice does not depend on how sequences are spread over ranks), while the weights
+stay the family's scores of the chosen experts, so the router learns as before:
+- Sinkhorn selection (`router_selection = "sinkhorn"`, Megatron-LM's `sinkhorn` balancing,
+  S-BASE of Clark et al. 2022, arXiv:2202.01169): each token ranks the experts by its logits
+  plus a per-expert offset such that exp(logits + offset), normalised per token, gives every
+  expert the same share of the sequence (Sinkhorn's alternate row and column normalisation,
+  in the log domain, without gradient). A direction common to all tokens, which makes a plain
+  top-k send them all to one expert, is cancelled.
+- Expert capacity (`capacity_factor`): an expert takes at most factor x its even share of a
+  sequence's top-k choices, the tokens that rank it highest first; a token beyond it goes to
+  its next-ranked expert with room (re-routed, never dropped). Soft balance alone does not
+  make the hard top-k even (tokens that vary along few directions reach only a few experts'
+  top-k); the capacity does, by construction.
+In eval mode (validation, generation, what Hugging Face exports run) routing is the plain
+top-k of the scores (plus the bias).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_models.moe.args import MoEArgs
 
@@ -22,24 +43,38 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
 
     def forward(
-        self, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, sequences: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For tokens `x` (T, dim): (weights (T, k), experts (T, k), scores (T, E)), the scores
-        being every expert's, before the bias (for the auxiliary loss)."""
+        """For tokens `x` (T, dim), `sequences` sequences of T / sequences tokens one after the
+        other: (weights (T, k), experts (T, k), scores (T, E)), the scores being every
+        expert's, before the bias (for the auxiliary loss)."""
         a = self.args
         logits = self.gate(x).float()  # routing in float32: ties and sums stay exact enough
-        if a.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
+        scores = self._score(logits)
+        if a.router_selection == "sinkhorn" and self.training:
+            choice = self._score(logits + sinkhorn_offsets(logits, sequences, a.sinkhorn_iters))
         else:
-            scores = logits.sigmoid()
-        choice = scores if bias is None else scores + bias.float()
+            choice = scores if bias is None else scores + bias.float()
         if a.num_groups > 1:
             choice = self._limit_to_groups(choice)
-        experts = choice.topk(a.top_k, dim=-1, sorted=False).indices
+        if a.capacity_factor is not None and self.training:
+            experts = _on_local(choice, lambda c: self._with_capacity(c, sequences))
+        else:
+            experts = choice.topk(a.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(-1, experts)
         if a.route_norm:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * a.route_scale, experts, scores
+
+    def _score(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.softmax(dim=-1) if self.args.score_func == "softmax" else logits.sigmoid()
+
+    def _with_capacity(self, choice: torch.Tensor, sequences: int) -> torch.Tensor:
+        a = self.args
+        per_sequence = choice.unflatten(0, (sequences, -1))
+        even = per_sequence.shape[1] * a.top_k / a.num_experts
+        capacity = math.ceil(a.capacity_factor * even)
+        return top_k_within_capacity(per_sequence, a.top_k, capacity).flatten(0, 1)
 
     def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` with the experts outside each token's best groups set to -inf."""
@@ -50,3 +85,68 @@ class TopKRouter(nn.Module):
         keep = group_score.topk(a.top_k_groups, dim=-1).indices
         mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(-1, keep, False)
         return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+def _on_local(t: torch.Tensor, fn) -> torch.Tensor:
+    """fn(t) computed on the local tensor of a replicated DTensor (the router under tensor
+    parallel runs alike on every rank), returned as one again; fn(t) for a plain tensor."""
+    if not isinstance(t, DTensor):
+        return fn(t)
+    return DTensor.from_local(fn(t.to_local()), t.device_mesh, t.placements, run_check=False)
+
+
+@torch.no_grad()
+def sinkhorn_offsets(logits: torch.Tensor, sequences: int, iters: int) -> torch.Tensor:
+    """Offsets (T, E) to add to `logits` (T, E) so that, within each of `sequences` consecutive
+    sequences, exp(logits + offset) normalised per token sums to the same total for every
+    expert (`iters` Sinkhorn iterations in the log domain: exact for logits of any size). Only
+    the per-expert (column) potential is returned, broadcast over its sequence's tokens: a
+    per-token constant would not change how a token ranks the experts."""
+    cost = logits.float().unflatten(0, (sequences, -1))  # (S, T/S, E)
+    col = torch.zeros_like(cost[:, :1, :])  # (S, 1, E)
+    for _ in range(iters):
+        row = -(cost + col).logsumexp(-1, keepdim=True)  # every token's row sums to 1
+        col = -(cost + row).logsumexp(-2, keepdim=True)  # every expert's column to 1
+    return col.expand_as(cost).flatten(0, 1)
+
+
+@torch.no_grad()
+def top_k_within_capacity(choice: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
+    """For `choice` (S, T, E), each of S sequences' tokens ranking the experts (-inf: not
+    allowed): every token's k experts (S, T, k), no expert taking more than `capacity` of a
+    sequence's choices where it can be helped. Each of k rounds gives every token one more
+    expert: in a pass, every token still without one proposes its best allowed expert with
+    room, and each expert accepts the proposals that rank it highest up to its room; E + 1
+    passes place everyone (each pass fills an expert or places all), a fixed number so that
+    the shapes and the work do not depend on the data. A token whose allowed experts are all
+    full (rare, under group limits) takes its best one regardless."""
+    seqs, tokens, experts = choice.shape
+    chosen = torch.zeros(seqs, tokens, k, dtype=torch.long, device=choice.device)
+    taken = torch.zeros_like(choice, dtype=torch.bool)
+    load = torch.zeros(seqs, experts, dtype=torch.long, device=choice.device)
+    for r in range(k):
+        placed = torch.zeros(seqs, tokens, dtype=torch.bool, device=choice.device)
+        for _ in range(experts + 1):
+            full = (load >= capacity).unsqueeze(1)
+            best_value, best = choice.masked_fill(taken | full, float("-inf")).max(-1)
+            asking = ~placed & (best_value > float("-inf"))
+            # Rank the proposals to each expert, strongest first.
+            order = best_value.masked_fill(~asking, float("-inf")).argsort(
+                dim=-1, descending=True, stable=True
+            )
+            to = best.gather(-1, order)
+            asks = F.one_hot(to, experts) * asking.gather(-1, order).unsqueeze(-1)
+            rank = (asks.cumsum(1) - asks).gather(-1, to.unsqueeze(-1)).squeeze(-1)
+            fits = asking.gather(-1, order) & (rank < (capacity - load).gather(-1, to))
+            accepted = torch.zeros_like(placed).scatter(-1, order, fits)
+            chosen[..., r] = torch.where(accepted, best, chosen[..., r])
+            hit = F.one_hot(best, experts).bool() & accepted.unsqueeze(-1)
+            taken |= hit
+            load += hit.sum(1)
+            placed |= accepted
+        best = choice.masked_fill(taken, float("-inf")).argmax(-1)
+        chosen[..., r] = torch.where(placed, chosen[..., r], best)
+        hit = F.one_hot(best, experts).bool() & ~placed.unsqueeze(-1)
+        taken |= hit
+        load += hit.sum(1)
+    return chosen
