@@ -4,8 +4,9 @@ max/mean tokens per expert at or under 1.5 from step 20 on. The same configs wit
 switched off (`--model.moe_aux_loss_alpha 0 --model.moe_load_balance_coeff 0
 --model.moe_router_selection topk --model.moe_capacity_factor 0`) collapse, so the bound is
 earned by the balancing and not by the data; the collapse is also warned about. What holds
-the bound is the debug flavors' Sinkhorn selection with an expert capacity of 1.25
-(`titan_models.moe.BALANCED_DEBUG`); the auxiliary loss alone, at any weight, does not.
+the bound is the debug flavors' expert capacity of 1.25 (`titan_models.moe.DEBUG_CAPACITY`)
+on top of their reference's balancing; neither the auxiliary loss nor the expert bias at
+any weight, nor Sinkhorn selection, does alone (trainer README, "Mixture of experts").
 
 Shortened only in the batch (4 sequences of 128 tokens, 512 tokens per step: the collapse
 still happens at this size within 10 steps). The six runs share the machine, one process each.

@@ -142,8 +142,11 @@ def test_init_is_a_function_of_seed_and_name_and_the_tp_plan_names_real_modules(
 
 def _small(**changes):
     args = deepseek_v3_flavors["debugmodel"]
+    # The reference's routing and balancing (the expert bias, which Hugging Face's model holds),
+    # not the debug flavor's training-only balanced choice.
     moe = dataclasses.replace(args.moe, num_experts=8, top_k=2, hidden_dim=32, num_groups=4,
-                              top_k_groups=2)  # fmt: skip
+                              top_k_groups=2, router_selection="topk", capacity_factor=None,
+                              load_balance_coeff=1e-3)  # fmt: skip
     base = dict(dim=64, n_layers=3, n_dense_layers=1, n_heads=4, vocab_size=300, hidden_dim=96,
                 q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                 v_head_dim=12, max_seq_len=32, moe=moe)  # fmt: skip

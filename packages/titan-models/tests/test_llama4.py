@@ -160,7 +160,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_both_ways(tmp_path, case):
     args = _small(**CASES[case])
-    model = build(args)
+    model = build(args).eval()  # inference: the debug flavor balances its choice in training
     _randomise(model)
     adapter = Llama4HFAdapter(args, torch_dtype="float32")
     out = tmp_path / "export"
@@ -184,7 +184,7 @@ def test_logits_match_transformers_both_ways(tmp_path, case):
     hf_weights = {}
     for f in saved.glob("*.safetensors"):
         hf_weights |= safetensors_torch.load_file(f)
-    reloaded = build(args, seed=123)
+    reloaded = build(args, seed=123).eval()
     reloaded.load_state_dict(adapter.from_hf(hf_weights))
     with torch.no_grad():
         import_diff = (reloaded(tokens) - theirs).abs().max().item()

@@ -1,7 +1,8 @@
 """The training-only balanced expert choice of `titan_models.moe.router`: Sinkhorn selection
 and the expert capacity, against plain top-k on tokens that make top-k collapse, in float32
 on CPU. Tokens that differ in many directions are spread by Sinkhorn alone; tokens that vary
-along one direction (what the debug models' routers see at lr 3e-3) need the capacity."""
+along one direction (what the debug models' routers see at lr 3e-3) need the capacity, which
+is also causal (first come, first served along the sequence)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from titan_models.moe import MoE, MoEArgs
-from titan_models.moe.router import top_k_within_capacity
+from titan_models.moe.router import sinkhorn_offsets, top_k_within_capacity
 
 DIM, SEQS, SEQ = 32, 4, 64
 
@@ -70,7 +71,10 @@ def test_the_capacity_holds_where_sinkhorn_alone_cannot():
     assert _spread(topk_capped) <= 1.25, _spread(topk_capped)
 
 
-def test_within_capacity_every_token_keeps_its_best_experts_where_there_is_room():
+def test_capacity_is_first_come_first_served_and_causal():
+    """Where there is room every token keeps its top-k; where not, a token is moved off its
+    first choice only because the tokens before it filled that expert; and changing a later
+    token never changes an earlier token's experts."""
     torch.manual_seed(3)
     choice = torch.randn(3, 40, 8)
     roomy = top_k_within_capacity(choice, 2, capacity=80)
@@ -79,24 +83,30 @@ def test_within_capacity_every_token_keeps_its_best_experts_where_there_is_room(
     for seq, ranks in zip(tight, choice):
         assert torch.bincount(seq.flatten(), minlength=8).max() <= 12
         assert (seq[:, 0] != seq[:, 1]).all()
-        # A token moved off its first choice only for one that filled it with stronger bids.
-        first = ranks.argmax(-1)
-        for t in (seq[:, 0] != first).nonzero().flatten():
-            e = first[t]
-            takers = (seq == e).any(-1)
-            assert takers.sum() == 12 and (ranks[takers, e] >= ranks[t, e]).all()
+        for t in (~(seq == ranks[:, None].argmax(-1)).any(-1)).nonzero().flatten():
+            first = ranks[t].argmax()
+            assert (seq[:t] == first).any(-1).sum() == 12  # filled before t
+    later = choice.clone()
+    later[:, 20:] = torch.randn(3, 20, 8)
+    assert torch.equal(top_k_within_capacity(later, 2, 12)[:, :20], tight[:, :20])
 
 
 def test_group_limits_compose_with_the_balanced_choice():
-    """DeepSeek-V3's group-limited routing: the choice stays inside each token's best groups
-    (ranked on the balanced scores), and the capacity still holds."""
+    """DeepSeek-V3's group-limited routing: with room, every token's experts lie inside its
+    best groups (ranked on the balanced scores); where those are full (the tokens all lean
+    to the same groups), the capacity still holds, by going outside them."""
     kw = dict(num_groups=4, top_k_groups=2, score_func="sigmoid", route_norm=True)
     tokens = _alike_tokens(low_rank=True)
-    router = _router(router_selection="sinkhorn", capacity_factor=1.25, **kw)
-    experts = _experts(router, tokens)
-    assert _spread(experts) <= 1.25 + 1e-6
-    groups = (experts // 2).unique(dim=-1, sorted=False)
-    assert all(len(set(g.tolist())) <= 2 for g in groups)
+    roomy = _experts(_router(router_selection="sinkhorn", capacity_factor=8.0, **kw), tokens)
+    plain = _router(router_selection="sinkhorn", **kw)
+    assert torch.equal(roomy.sort(-1).values, _experts(plain, tokens).sort(-1).values)
+    with torch.no_grad():
+        logits = plain.gate(tokens)
+        offsets = sinkhorn_offsets(logits, SEQS, plain.args.sinkhorn_iters)
+        outside = plain._outside_best_groups((logits + offsets).sigmoid())
+    assert not outside.gather(-1, roomy).any()
+    capped = _experts(_router(router_selection="sinkhorn", capacity_factor=1.25, **kw), tokens)
+    assert _spread(capped) <= 1.25
 
 
 def test_eval_routes_by_plain_top_k_and_training_is_layout_free():

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_models.deepseek_v3 import DeepSeekV3Transformer, deepseek_v3_flavors
+from titan_models.moe import TopKRouter
 from titan_models.mtp import tokens_ahead
 
 SEQ = 12
@@ -82,11 +83,15 @@ def test_depth_k_at_position_i_sees_no_token_after_i_plus_k(model):
 
 
 def test_inference_drops_the_mtp_layers(model):
+    # Routed alike in training and inference: without the debug flavor's training-only
+    # expert capacity (inference never limits).
+    plain = copy.deepcopy(model)
+    for router in (m for m in plain.modules() if isinstance(m, TopKRouter)):
+        router.args = dataclasses.replace(router.args, capacity_factor=None)
     t = tokens()
     with torch.no_grad():
-        trained = model.train()(t)
-        inferred = model.eval()(t)
-    model.train()
+        trained = plain.train()(t)
+        inferred = plain.eval()(t)
     assert isinstance(inferred, torch.Tensor) and torch.equal(inferred, trained[0])
 
 

@@ -86,7 +86,7 @@ def _randomise_norms(model):
 @pytest.mark.parametrize("moe,tied", [(False, True), (False, False), (True, False)])
 def test_logits_match_transformers_both_ways(tmp_path, moe, tied):
     args = _small(moe, tied)
-    model = build(args)
+    model = build(args).eval()  # inference: the debug flavor limits expert load in training
     _randomise_norms(model)
     adapter = Qwen3HFAdapter(args, torch_dtype="float32")
     # Export: our weights in the Hub's layout, loaded by transformers.
@@ -115,7 +115,7 @@ def test_logits_match_transformers_both_ways(tmp_path, moe, tied):
     hf_weights = {}
     for f in saved.glob("*.safetensors"):
         hf_weights |= safetensors_torch.load_file(f)
-    reloaded = build(args, seed=123)
+    reloaded = build(args, seed=123).eval()
     reloaded.load_state_dict(adapter.from_hf(hf_weights))
     with torch.no_grad():
         assert (reloaded(tokens) - theirs).abs().max().item() <= 1e-4

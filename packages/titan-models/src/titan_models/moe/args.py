@@ -48,19 +48,22 @@ class MoEArgs:
     router_selection: Literal["topk", "sinkhorn"] = "topk"
     """How training ranks each token's experts: `topk`, by score (plus the expert bias), as
     every family's reference; `sinkhorn`, by logits Sinkhorn-balanced over the tokens of each
-    sequence (Megatron-LM's `sinkhorn` balancing, S-BASE; see `titan_models.moe.router`). The
-    weights stay the chosen experts' scores; eval and generation rank by score. Not with the
-    expert bias (its per-step balancing does what the bias does)."""
+    sequence (Megatron-LM's `sinkhorn` balancing, S-BASE; see `titan_models.moe.router`):
+    not causal (a token's experts depend on later tokens of its sequence), and alone it does
+    not hold a bound on the load. The weights stay the chosen experts' scores; eval and
+    generation rank by score. Not with the expert bias (Sinkhorn balances every step)."""
     sinkhorn_iters: int = 8
     """Sinkhorn iterations of `router_selection = "sinkhorn"`."""
     capacity_factor: float | None = None
     """In training, an expert takes at most this times its even share of each sequence's
-    choices (tokens x top_k / num_experts, rounded up), the tokens ranking it highest first;
-    the others go to their next-ranked expert with room (re-routed, not dropped), so a layer's
-    max/mean load stays at or under it. None: no limit. Each sequence on its own: the choice
-    does not depend on the data-parallel, expert-parallel or pipeline layout; under context
-    parallel each rank limits its own part of the sequence. Costs top_k x (num_experts + 1)
-    small passes per layer: meant for few experts."""
+    choices (tokens x top_k / num_experts, rounded up), first come, first served along the
+    sequence; a token that finds its expert full goes to its next-ranked one with room
+    (re-routed, not dropped), so a layer's max/mean load stays at or under it, and a token's
+    experts depend on no later token. With group limits, a token goes outside its best
+    groups only once their experts are full. Each sequence on its own: the choice does not
+    depend on the data-parallel, expert-parallel or pipeline layout; under context parallel
+    each rank limits its own part of the sequence. A loop over the sequence's positions per
+    layer: meant for debug-size models. None: no limit (eval and generation never limit)."""
     use_grouped_mm: bool = True
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
@@ -118,13 +121,13 @@ configs' `router_aux_loss_coef` (0.001) and no expert bias, which their checkpoi
 (so a trained model exports). Qwen3-MoE's reference trains so; Llama 4's do not: Hugging Face's
 Llama 4 computes no balance loss, torchtitan's balances with the expert bias (0.001)."""
 
-BALANCED_DEBUG = dict(router_selection="sinkhorn", capacity_factor=1.25, load_balance_coeff=None)
-"""What the MoE debug flavors add to their reference's auxiliary loss: Sinkhorn selection and
-an expert capacity of 1.25 in training (Megatron-LM's scheme and a capacity limit, not the
-references'). At the debug configs' lr 3e-3 the router's inputs grow nearly parallel within
-a few steps, and every balancer that reacts to the previous steps' loads (auxiliary loss of
-any weight, expert bias of any step) leaves layers at 2-8 times their share; these act on the
-current tokens. Inference routes as the reference does (plain top-k of the scores)."""
+DEBUG_CAPACITY = 1.25
+"""The MoE debug flavors' `capacity_factor`, on top of their reference's balancing (not a
+reference's scheme). At the debug configs' lr 3e-3 the router's inputs grow nearly parallel
+within a few steps, and every balancer that reacts to the previous steps' loads (auxiliary
+loss of any weight, expert bias of any step) leaves layers at 2-8 times their share, and
+Sinkhorn selection (balancing the current tokens softly) at 2-2.4; the capacity holds every
+layer at 1.25 (trainer README, "Mixture of experts"). Inference routes as the reference."""
 
 A = TypeVar("A")
 

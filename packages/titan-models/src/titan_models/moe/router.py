@@ -15,11 +15,15 @@ stay the family's scores of the chosen experts, so the router learns as before:
   expert the same share of the sequence (Sinkhorn's alternate row and column normalisation,
   in the log domain, without gradient). A direction common to all tokens, which makes a plain
   top-k send them all to one expert, is cancelled.
+  The offsets come from the whole sequence, later tokens included: like Megatron's, it is
+  not causal in training (a token's experts, not its computation, depend on later tokens).
 - Expert capacity (`capacity_factor`): an expert takes at most factor x its even share of a
-  sequence's top-k choices, the tokens that rank it highest first; a token beyond it goes to
-  its next-ranked expert with room (re-routed, never dropped). Soft balance alone does not
-  make the hard top-k even (tokens that vary along few directions reach only a few experts'
-  top-k); the capacity does, by construction.
+  sequence's top-k choices, first come, first served along the sequence; a token that finds
+  its expert full goes to its next-ranked expert with room (re-routed, never dropped), under
+  group limits one outside its best groups only once theirs are full. Causal: a token's
+  experts depend only on the tokens before it. Soft balance alone does not make the hard
+  top-k even (tokens that vary along few directions reach only a few experts' top-k); the
+  capacity does, by construction.
 In eval mode (validation, generation, what Hugging Face exports run) routing is the plain
 top-k of the scores (plus the bias).
 """
@@ -55,9 +59,15 @@ class TopKRouter(nn.Module):
             choice = self._score(logits + sinkhorn_offsets(logits, sequences, a.sinkhorn_iters))
         else:
             choice = scores if bias is None else scores + bias.float()
+        capped = a.capacity_factor is not None and self.training
         if a.num_groups > 1:
-            choice = self._limit_to_groups(choice)
-        if a.capacity_factor is not None and self.training:
+            outside = self._outside_best_groups(choice)
+            if capped:  # the other groups only once the best groups' experts are full
+                margin = (choice.max() - choice.min()).detach() + 1.0
+                choice = choice - outside * margin
+            else:
+                choice = choice.masked_fill(outside, float("-inf"))
+        if capped:
             experts = _on_local(choice, lambda c: self._with_capacity(c, sequences))
         else:
             experts = choice.topk(a.top_k, dim=-1, sorted=False).indices
@@ -76,15 +86,15 @@ class TopKRouter(nn.Module):
         capacity = math.ceil(a.capacity_factor * even)
         return top_k_within_capacity(per_sequence, a.top_k, capacity).flatten(0, 1)
 
-    def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """`choice` with the experts outside each token's best groups set to -inf."""
+    def _outside_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """(T, E), True for the experts outside each token's best groups."""
         a = self.args
         grouped = choice.unflatten(-1, (a.num_groups, -1))  # (T, groups, experts per group)
         best = min(2, grouped.shape[-1])
         group_score = grouped.topk(best, dim=-1).values.sum(-1)
         keep = group_score.topk(a.top_k_groups, dim=-1).indices
         mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(-1, keep, False)
-        return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(-2)
+        return mask.unsqueeze(-1).expand_as(grouped).flatten(-2)
 
 
 def _on_local(t: torch.Tensor, fn) -> torch.Tensor:
@@ -112,41 +122,19 @@ def sinkhorn_offsets(logits: torch.Tensor, sequences: int, iters: int) -> torch.
 
 @torch.no_grad()
 def top_k_within_capacity(choice: torch.Tensor, k: int, capacity: int) -> torch.Tensor:
-    """For `choice` (S, T, E), each of S sequences' tokens ranking the experts (-inf: not
-    allowed): every token's k experts (S, T, k), no expert taking more than `capacity` of a
-    sequence's choices where it can be helped. Each of k rounds gives every token one more
-    expert: in a pass, every token still without one proposes its best allowed expert with
-    room, and each expert accepts the proposals that rank it highest up to its room; E + 1
-    passes place everyone (each pass fills an expert or places all), a fixed number so that
-    the shapes and the work do not depend on the data. A token whose allowed experts are all
-    full (rare, under group limits) takes its best one regardless."""
+    """For `choice` (S, T, E), each of S sequences' tokens ranking the experts: every token's k
+    experts (S, T, k), first come, first served: token t takes its k best experts among those
+    its sequence's tokens before it have not filled to `capacity`, so its choice depends on
+    no later token (training stays causal). Should fewer than k experts have room (possible
+    only at the sequence's end), it takes full ones, by rank. A loop over the positions,
+    each step a top-k over (S, E): meant for few experts and debug-size sequences."""
     seqs, tokens, experts = choice.shape
-    chosen = torch.zeros(seqs, tokens, k, dtype=torch.long, device=choice.device)
-    taken = torch.zeros_like(choice, dtype=torch.bool)
     load = torch.zeros(seqs, experts, dtype=torch.long, device=choice.device)
-    for r in range(k):
-        placed = torch.zeros(seqs, tokens, dtype=torch.bool, device=choice.device)
-        for _ in range(experts + 1):
-            full = (load >= capacity).unsqueeze(1)
-            best_value, best = choice.masked_fill(taken | full, float("-inf")).max(-1)
-            asking = ~placed & (best_value > float("-inf"))
-            # Rank the proposals to each expert, strongest first.
-            order = best_value.masked_fill(~asking, float("-inf")).argsort(
-                dim=-1, descending=True, stable=True
-            )
-            to = best.gather(-1, order)
-            asks = F.one_hot(to, experts) * asking.gather(-1, order).unsqueeze(-1)
-            rank = (asks.cumsum(1) - asks).gather(-1, to.unsqueeze(-1)).squeeze(-1)
-            fits = asking.gather(-1, order) & (rank < (capacity - load).gather(-1, to))
-            accepted = torch.zeros_like(placed).scatter(-1, order, fits)
-            chosen[..., r] = torch.where(accepted, best, chosen[..., r])
-            hit = F.one_hot(best, experts).bool() & accepted.unsqueeze(-1)
-            taken |= hit
-            load += hit.sum(1)
-            placed |= accepted
-        best = choice.masked_fill(taken, float("-inf")).argmax(-1)
-        chosen[..., r] = torch.where(placed, chosen[..., r], best)
-        hit = F.one_hot(best, experts).bool() & ~placed.unsqueeze(-1)
-        taken |= hit
-        load += hit.sum(1)
-    return chosen
+    full_margin = (choice.max() - choice.min()).detach() + 1.0
+    chosen = []
+    for t in range(tokens):
+        ranked = choice[:, t] - (load >= capacity) * full_margin  # full experts last
+        picked = ranked.topk(k, dim=-1, sorted=False).indices
+        load += F.one_hot(picked, experts).sum(1)
+        chosen.append(picked)
+    return torch.stack(chosen, 1)
