@@ -104,6 +104,16 @@ def test_seed_checkpoint_needs_one_process():
             "[model] moe_load_balance_coeff is set but llama3 debugmodel has no mixture-of-experts layers",
         ),
         (
+            ["--model.moe_capacity_factor", "0.5"],
+            "[model] moe_capacity_factor = 0.5 is not valid\n       use 0 (no limit), 1 or more",
+        ),
+        (
+            ["--model.name", "deepseek_v3", "--model.moe_router_selection", "sinkhorn"],
+            "[model] moe_router_selection = 'sinkhorn' with deepseek_v3 debugmodel's expert bias"
+            " (moe_load_balance_coeff 0.001): Sinkhorn balances every step itself\n"
+            "       set [model] moe_load_balance_coeff = 0 with it",
+        ),
+        (
             ["--training.mtp_loss_weight", "-0.1"],
             "titan: config error: [training] mtp_loss_weight = -0.1 is not valid\n"
             "       use 0 or more (DeepSeek-V3: 0.3, then 0.1)",

@@ -23,7 +23,8 @@ COLLAPSE_WARNING = (
     "experts: in %s the busiest expert has taken more than %.1f times the mean load for %d "
     "steps in a row (max/mean %.2f now): the router is sending most tokens to a few experts, "
     "and the others barely train.\n"
-    "  Raise --model.moe_aux_loss_alpha (the auxiliary balance loss) or "
+    "  Set --model.moe_capacity_factor 1.25 (each expert takes at most 1.25 times its share, "
+    "the rest re-routed), raise --model.moe_aux_loss_alpha (the auxiliary balance loss) or "
     "--model.moe_load_balance_coeff (the expert-bias step), or lower --optimizer.lr."
 )
 
