@@ -145,3 +145,16 @@ def test_weights_are_the_scores_of_the_chosen_experts_and_train_the_router():
 def test_inconsistent_balancing_is_refused(kw, message):
     problems = MoEArgs(**{"load_balance_coeff": None, **kw}).problems(DIM)
     assert any(message in p for p in problems), problems
+
+
+def test_only_training_forwards_count_towards_the_load():
+    """The step's load (the metric, the expert bias's update) is training's: a validation
+    forward, routed otherwise (uncapped), adds nothing to it."""
+    torch.manual_seed(0)
+    layer = MoE(DIM, MoEArgs(num_experts=8, top_k=2, hidden_dim=16, capacity_factor=1.25))
+    x = torch.randn(2, 8, DIM)
+    with torch.no_grad():
+        layer.eval()(x)
+        assert layer.tokens_per_expert.sum() == 0
+        layer.train()(x)
+    assert layer.tokens_per_expert.sum() == 2 * 8 * 2

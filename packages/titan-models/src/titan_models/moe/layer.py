@@ -4,9 +4,10 @@ the router, plus the shared experts every token goes through.
 
 Load balancing, both from DeepSeek-V3 (arXiv:2412.19437, section 2.1.2):
 - auxiliary-loss-free: each expert has a selection bias (`expert_bias`, saved with the model);
-  the tokens each expert received are counted (`tokens_per_expert`) and, once per optimizer step,
-  `update_expert_bias()` moves every bias by `load_balance_coeff` towards even load (up for an
-  expert below the mean, down above it);
+  the tokens each expert received in training are counted (`tokens_per_expert`; validation
+  and generation are not) and, once per optimizer step, `update_expert_bias()` moves every
+  bias by `load_balance_coeff` towards even load (up for an expert below the mean, down
+  above it);
 - auxiliary loss (`aux_loss_alpha`): alpha * sum_i f_i * P_i, f_i the share of the top-k
   choices that went to expert i (times num_experts / top_k, so 1 at even load), P_i the mean of
   its normalised score; per sequence and averaged (`aux_loss_type = "sequence"`, DeepSeek-V3's
@@ -88,8 +89,9 @@ class MoE(nn.Module):
         # Tokens per expert, with a shape known before the data (fake tensors, compile).
         counts = torch.zeros(a.num_experts, dtype=torch.int64, device=flat.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
-        with torch.no_grad():
-            self.tokens_per_expert += counts
+        if self.training:  # the load of training steps: validation neither moves the bias
+            with torch.no_grad():  # nor shows in the step's load
+                self.tokens_per_expert += counts
         order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
         token_of = order // a.top_k
         weight_of = weights.flatten()[order].unsqueeze(-1)
