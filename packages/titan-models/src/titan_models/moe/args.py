@@ -96,8 +96,8 @@ class MoEArgs:
             out.append(f"router_selection = {self.router_selection!r}: use topk or sinkhorn")
         elif self.router_selection == "sinkhorn" and self.load_balance_coeff is not None:
             out.append(
-                "router_selection = 'sinkhorn' balances each step itself: set"
-                " load_balance_coeff = None (no expert bias) with it"
+                "router_selection = 'sinkhorn' balances each step itself: it goes with"
+                " load_balance_coeff = None (no expert bias)"
             )
         if self.capacity_factor is not None and self.capacity_factor < 1:
             out.append(

@@ -129,12 +129,16 @@ def top_k_within_capacity(choice: torch.Tensor, k: int, capacity: int) -> torch.
     only at the sequence's end), it takes full ones, by rank. A loop over the positions,
     each step a top-k over (S, E): meant for few experts and debug-size sequences."""
     seqs, tokens, experts = choice.shape
+    # The first `capacity` tokens cannot find an expert full: their plain top-k, at once.
+    free = min(capacity, tokens)
+    chosen = [choice[:, :free].topk(k, dim=-1, sorted=False).indices]
     load = torch.zeros(seqs, experts, dtype=torch.long, device=choice.device)
+    load.scatter_add_(1, chosen[0].flatten(1), torch.ones_like(chosen[0].flatten(1)))
     full_margin = (choice.max() - choice.min()).detach() + 1.0
-    chosen = []
-    for t in range(tokens):
+    ones = torch.ones(seqs, k, dtype=torch.long, device=choice.device)
+    for t in range(free, tokens):
         ranked = choice[:, t] - (load >= capacity) * full_margin  # full experts last
         picked = ranked.topk(k, dim=-1, sorted=False).indices
-        load += F.one_hot(picked, experts).sum(1)
-        chosen.append(picked)
-    return torch.stack(chosen, 1)
+        load.scatter_add_(1, picked, ones)
+        chosen.append(picked.unsqueeze(1))
+    return torch.cat(chosen, 1)
