@@ -51,6 +51,16 @@ DURATIONS = 25
 # by side on the cores instead.
 TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
+# The trainer's tests, and titan-parallel's and titan-ckpt's, mostly wait on one
+# single-threaded process (a CLI run, a launch), which left the second core of a 2-core
+# machine idle half of the suite (measured with vmstat): they run in one pytest-xdist worker
+# per core (at most 4, as their launches start up to 4 ranks each), a file's tests in one
+# worker so that its module fixtures run once. The smaller suites would spend on starting
+# workers (each imports torch) what they gain.
+XDIST = "pytest-xdist>=3.5,<4"
+_WORKERS = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
+PARALLEL = {name: _WORKERS for name in ("titan-trainer", "titan-parallel", "titan-ckpt")}
+
 # Importing torch is several seconds faster with cached bytecode; some environments switch the
 # cache off, which every test process would then pay again.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -115,12 +125,24 @@ def layers(session: nox.Session) -> None:
     session.run("uv", "run", "--frozen", "python", "tools/check_declared_deps.py")
 
 
+# Tests the default set runs in another session already, where they check more: `packaging`
+# runs the README's by-name commands against the installed wheel (three debug-model trainings,
+# 30 s or more), the path a user of `pip install` takes.
+ELSEWHERE = {
+    "titan-trainer": [
+        "--deselect",
+        "apps/trainer/tests/test_shipped_files.py"
+        "::test_the_readme_runs_a_shipped_config_by_name_from_any_folder",
+    ]
+}
+
 for _dist in PACKAGES:
 
     @nox.session(name=f"tests-{_dist}", venv_backend="none")
     def tests(session: nox.Session, dist: str = _dist) -> None:
         """One package's tests in the workspace environment."""
-        session.run("uv", "run", "--frozen", "pytest", *_pytest_args(session, dist), env=TEST_ENV)
+        args = [*PARALLEL.get(dist, []), *ELSEWHERE.get(dist, []), *_pytest_args(session, dist)]
+        session.run("uv", "run", "--frozen", "pytest", *args, env=TEST_ENV)
 
 
 for _dist in PACKAGES:
@@ -153,7 +175,10 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
         )
     built = {name: _wheel(wheels, name) for name in needed}
     # Siblings are not on the index yet, so their freshly built wheels stand in for it.
-    session.install(f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist), *pins)
+    workers = [XDIST] if dist in PARALLEL else []
+    session.install(
+        f"{built[dist]}[test]", *(str(built[n]) for n in needed if n != dist), *workers, *pins
+    )
     if pins:
         session.run("python", "-c", _VERSIONS, *_WATCHED, *(_requirement_name(p) for p in pins))
     others = [_module(p) for p in PACKAGES if p not in needed]
@@ -165,7 +190,7 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
         " print('isolated: no other titan package importable')",
         *others,
     )
-    _pytest_outside_the_repo(session, *_pytest_args(session, dist))
+    _pytest_outside_the_repo(session, *PARALLEL.get(dist, []), *_pytest_args(session, dist))
 
 
 # What a compatibility run records: the Python and these, where installed.
@@ -385,8 +410,9 @@ def tests_avx2(session: nox.Session) -> None:
     inductor_cache = {"TORCHINDUCTOR_CACHE_DIR": str(Path(session.create_tmp()) / "inductor")}
     for dist in PACKAGES:
         session.run(
-            "uv", "run", "--frozen", "pytest", str(ROOT / PACKAGES[dist] / "tests"), "-q",
-            "-m", "not slow", f"--durations={DURATIONS}", *session.posargs,
+            "uv", "run", "--frozen", "pytest", *PARALLEL.get(dist, []),
+            str(ROOT / PACKAGES[dist] / "tests"), "-q", "-m", "not slow",
+            f"--durations={DURATIONS}", *session.posargs,
             env={**TEST_ENV, **AVX2_ENV, **inductor_cache},
             success_codes=[0, 5],  # 5: -k selected none here
         )  # fmt: skip
