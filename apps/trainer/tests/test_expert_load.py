@@ -59,3 +59,28 @@ def test_each_layer_is_read_by_name_and_a_lasting_collapse_is_warned_once(caplog
     assert len(warnings) == 1 and "in layers.1 the busiest expert" in warnings[0], warnings
     # The biases moved too (titan-models' update): down for the busy expert.
     assert model.layers["1"].moe.expert_bias[0] < 0
+
+
+def test_under_a_capacity_the_re_routed_share_shows_what_the_even_load_hides():
+    # Every token alike: a plain top-1 sends all 8 of a sequence's tokens to one expert. A
+    # capacity of 1.0 x the even share (8 / 4 = 2 per expert) keeps the first 2 there and
+    # re-routes the other 6: the load reads as even, the share says the router is collapsed.
+    layer = MoE(16, MoEArgs(num_experts=4, top_k=1, hidden_dim=8, capacity_factor=1.0))
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Module()})
+    model.layers["0"].moe = layer
+    load = ExpertLoad([model], ParallelDims(world_size=1), accum=1)
+    layer.train()
+    layer(torch.ones(2, 8, 16))
+    load.after_step()
+    assert load.read() == {"layers.0": 1.0}
+    assert load.read_rerouted() == {"layers.0": 0.75}
+    assert load.read_rerouted() is None  # counted again from the next step
+    line = format_line(1, {"loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0,
+                           "tflops": 0.0, "mfu_pct": 0.0, "mem_peak_gib": 0.0, "step_time_s": 1.0,
+                           "expert_load": 1.0, "expert_rerouted_pct": 75.0})  # fmt: skip
+    assert line.endswith("| experts max/mean 1.00 | re-routed 75%"), line
+    # Without a capacity nothing is re-routed and no share is reported.
+    plain = ExpertLoad([_Blocks()], ParallelDims(world_size=1), accum=1)
+    plain.after_step()
+    assert plain.read_rerouted() is None

@@ -67,6 +67,8 @@ def test_every_moe_layer_stays_balanced_from_step_20(runs, config):
     over = {step: layers for step, layers in late.items() if max(layers) > BOUND}
     assert not over, f"{config}: layers above {BOUND} (step: each layer's max/mean): {over}"
     assert "experts: in " not in out  # no collapse warning
+    # The capacity's re-routed share is on every line beside the load it evens out.
+    assert len(re.findall(r"\| re-routed \d+%", out)) == STEPS
     losses = parse_losses(out)
     assert losses[STEPS] < 0.6 * losses[1], losses  # and it trains
 
@@ -80,3 +82,4 @@ def test_without_balancing_the_same_run_collapses_and_is_warned_about(runs, conf
     # late steps (balanced runs stay under 1.5 on every one).
     assert sum(x > 2.0 for x in late) > len(late) // 2, late
     assert "experts: in layers." in out and "for 20 steps in a row" in out
+    assert "| re-routed" not in out  # no capacity, nothing re-routed

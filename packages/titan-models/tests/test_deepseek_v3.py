@@ -114,7 +114,9 @@ def test_init_is_a_function_of_seed_and_name_and_the_tp_plan_names_real_modules(
         assert torch.equal(p, q), name
     named = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     assert set(model.init_plan()) == named - {"rope_cache", "attn_temperature"} - {
-        n for n in named if n.endswith("tokens_per_expert")
+        n
+        for n in named
+        if n.endswith(("tokens_per_expert", "tokens_rerouted"))  # counters
     }
     # The routing bias is state, drawn from the plan like the weights (a sharded run initialises
     # through init_plan alone, after to_empty left anything in it).

@@ -4,8 +4,10 @@ from the tokens every expert received on all the ranks that share the weights; t
 every layer is reported as max / mean tokens per expert on the metric line and in TensorBoard;
 a layer whose busiest expert stays above `COLLAPSE_RATIO` times the mean for `COLLAPSE_STEPS`
 steps in a row is warned about once; and the auxiliary balance loss is weighed like the step's
-loss under gradient accumulation. No token is ever dropped or re-routed (no capacity limit),
-so there is no dropped share to report."""
+loss under gradient accumulation. No token is ever dropped; under an expert capacity
+(`[model] moe_capacity_factor`) the share of token-expert choices re-routed to a lower-ranked
+expert is reported beside the load, since the capacity keeps the load even by construction and
+only that share shows a router that still prefers a few experts."""
 
 from __future__ import annotations
 
@@ -52,6 +54,12 @@ class ExpertLoad:
         self._longest: torch.Tensor | None = None  # per layer, the longest such streak
         self._last = torch.zeros(0)
         self._warned = False
+        # Per layer, re-routed and all token-expert choices since the last read.
+        self._rerouted: torch.Tensor | None = None
+        self._chosen: torch.Tensor | None = None
+        self.capped = any(
+            getattr(getattr(m, "args", None), "capacity_factor", None) for m in self.layers
+        )
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -60,11 +68,17 @@ class ExpertLoad:
         """Move the biases and note this step's max/mean load per layer (on the device: no
         host read)."""
         counts = torch.cat([layer.tokens_per_expert for layer in self.layers])
+        if self.capped:
+            rerouted = torch.stack([layer.tokens_rerouted for layer in self.layers])
+            counts = torch.cat([counts, rerouted.to(counts.dtype)])
         if self.group is not None:  # one all-reduce for every layer
             torch.distributed.all_reduce(counts, group=self.group)
-        ratios = []
+        ratios, chosen = [], []
         sizes = [layer.tokens_per_expert.numel() for layer in self.layers]
+        if self.capped:
+            counts, rerouted = counts[: sum(sizes)], counts[sum(sizes) :]
         for layer, mine in zip(self.layers, counts.split(sizes)):
+            chosen.append(mine.sum())
             layer.update_expert_bias(counts=mine)
             ratios.append(mine.max() / mine.mean().clamp_min(1))
         ratio = torch.stack(ratios).float()
@@ -76,6 +90,21 @@ class ExpertLoad:
             self._longest = torch.maximum(self._longest, self._streak)
         self._worst = ratio if self._worst is None else torch.maximum(self._worst, ratio)
         self._last = ratio
+        if self.capped:
+            chosen = torch.stack(chosen).to(rerouted.dtype)
+            if self._rerouted is None or self._chosen is None:
+                self._rerouted, self._chosen = rerouted, chosen
+            else:
+                self._rerouted, self._chosen = self._rerouted + rerouted, self._chosen + chosen
+
+    def read_rerouted(self) -> dict[str, float] | None:
+        """Under an expert capacity, each layer's share (0-1) of token-expert choices re-routed
+        since the last read, by block name (one host read); None without a capacity."""
+        if self._rerouted is None or self._chosen is None:
+            return None
+        share = (self._rerouted / self._chosen.clamp_min(1)).tolist()
+        self._rerouted = self._chosen = None
+        return dict(zip(self.names, share))
 
     def read(self) -> dict[str, float] | None:
         """Each layer's highest max/mean tokens per expert since the last read (one host read),

@@ -61,6 +61,8 @@ def format_line(step: int, m: dict[str, float]) -> str:
         layers = [v for k, v in m.items() if k.startswith("expert_load/")]
         each = f" ({' '.join(f'{v:.2f}' for v in layers)})" if 1 < len(layers) <= 16 else ""
         parts.append(f"experts max/mean {m['expert_load']:.2f}{each}")
+    if "expert_rerouted_pct" in m:  # under a capacity: choices sent past their expert, worst layer
+        parts.append(f"re-routed {m['expert_rerouted_pct']:.0f}%")
     if m.get("skipped_steps"):
         parts.append(f"skipped steps {m['skipped_steps']:,.0f}")
     return " | ".join(parts)

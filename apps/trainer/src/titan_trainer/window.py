@@ -78,6 +78,9 @@ def log_window(run: Run, window: MetricWindow, guard: StepGuard) -> None:
     if (load := window.experts.read()) is not None:  # the worst layer, then each layer
         values["expert_load"] = max(load.values())
         values.update({f"expert_load/{name}": ratio for name, ratio in load.items()})
+    if (rerouted := window.experts.read_rerouted()) is not None:  # under a capacity
+        values["expert_rerouted_pct"] = 100 * max(rerouted.values())
+        values.update({f"expert_rerouted_pct/{n}": 100 * v for n, v in rerouted.items()})
     values.update(run.coordinator.metrics())
     window.metrics.log(run.state.step, values)
     window.timer.reset()

@@ -76,6 +76,8 @@ class MoE(nn.Module):
         )
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # Token-expert choices a capacity re-routed since the last bias update (training).
+        self.register_buffer("tokens_rerouted", torch.zeros(()), persistent=False)
         self.aux_loss_scale = 1.0
         self.aux_loss: torch.Tensor | None = None
 
@@ -92,6 +94,8 @@ class MoE(nn.Module):
         if self.training:  # the load of training steps: validation neither moves the bias
             with torch.no_grad():  # nor shows in the step's load
                 self.tokens_per_expert += counts
+                if self.router.rerouted is not None:
+                    self.tokens_rerouted += self.router.rerouted
         order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
         token_of = order // a.top_k
         weight_of = weights.flatten()[order].unsqueeze(-1)
@@ -150,6 +154,7 @@ class MoE(nn.Module):
         (state, from the init plan or a checkpoint) keeps its values, moved to `buffer_device`
         (default: where it is)."""
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, device=buffer_device)
+        self.tokens_rerouted = torch.zeros_like(self.tokens_rerouted, device=buffer_device)
         if buffer_device is not None:
             self.expert_bias = self.expert_bias.to(buffer_device)
 
@@ -167,6 +172,7 @@ class MoE(nn.Module):
             delta = torch.sign(counts.mean() - counts) * self.args.load_balance_coeff
             self.expert_bias.add_(delta.to(self.expert_bias.dtype))
         self.tokens_per_expert.zero_()
+        self.tokens_rerouted.zero_()
         return counts
 
 

@@ -44,6 +44,10 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        # Under a capacity, how many of the last training forward's token-expert choices were
+        # re-routed (not among the token's plain top-k): a router that still prefers a few
+        # experts shows here, since the capacity keeps its load even.
+        self.rerouted: torch.Tensor | None = None
 
     def forward(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, sequences: int = 1
@@ -83,7 +87,12 @@ class TopKRouter(nn.Module):
         per_sequence = choice.unflatten(0, (sequences, -1))
         even = per_sequence.shape[1] * a.top_k / a.num_experts
         capacity = math.ceil(a.capacity_factor * even)
-        return top_k_within_capacity(per_sequence, a.top_k, capacity).flatten(0, 1)
+        experts = top_k_within_capacity(per_sequence, a.top_k, capacity).flatten(0, 1)
+        with torch.no_grad():
+            plain = choice.topk(a.top_k, dim=-1, sorted=False).indices
+            kept = (experts.unsqueeze(-1) == plain.unsqueeze(-2)).any(-1)
+            self.rerouted = (~kept).sum()
+        return experts
 
     def _outside_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """(T, E), True for the experts outside each token's best groups."""
