@@ -58,15 +58,16 @@ class Model:
     as every family's reference; `sinkhorn`: by the router's logits balanced over each
     sequence's tokens (Megatron-LM's sinkhorn load balancing). The weights stay the router's
     scores; validation, generation and Hugging Face export rank by score. Not with the expert
-    bias (set moe_load_balance_coeff = 0). Unset: the flavor's own (the MoE debug flavors:
-    sinkhorn)."""
+    bias (set moe_load_balance_coeff = 0). Unset: the flavor's own (every shipped flavor:
+    topk)."""
     moe_capacity_factor: float | None = None
     """Mixture-of-experts models: in training, each expert takes at most this times its even
-    share of a sequence's token choices, the tokens ranking it highest first; the rest go to
-    their next-ranked expert with room (re-routed, not dropped), so every layer's max/mean
-    load stays at or under it (each sequence on its own, whatever the parallel layout;
-    under context parallel each rank's part). Unset: the flavor's own (the MoE debug
-    flavors: 1.25); 0 turns it off."""
+    share of a sequence's token choices, first come, first served along the sequence; the
+    rest go to their next-ranked expert with room (re-routed, not dropped; the metric line
+    shows their share), so every layer's max/mean load stays at or under it (each sequence
+    on its own, whatever the parallel layout; under context parallel each rank's part). A
+    loop over the sequence's positions: slow at long sequences. Unset: the flavor's own (the
+    MoE debug flavors: 1.25); 0 turns it off."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
     the earlier tokens of its own document (documents start at the tokenizer's BOS, or for one
