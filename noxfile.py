@@ -51,12 +51,13 @@ DURATIONS = 25
 # by side on the cores instead.
 TEST_ENV = {"OMP_NUM_THREADS": "1"}
 
-# The trainer's tests, and titan-parallel's and titan-ckpt's, mostly wait on one
-# single-threaded process (a CLI run, a launch), which left the second core of a 2-core
-# machine idle half of the suite (measured with vmstat): they run in one pytest-xdist worker
-# per core (at most 4, as their launches start up to 4 ranks each), a file's tests in one
-# worker so that its module fixtures run once. The smaller suites would spend on starting
-# workers (each imports torch) what they gain.
+# The trainer's tests mostly wait on one single-threaded process (a CLI run, a launch), which
+# left the second core of a 2-core machine idle half of the suite (measured with vmstat): they
+# run in one pytest-xdist worker per core (at most 4, as their launches start up to 4 ranks
+# each), a file's tests in one worker so that its module fixtures run once (27.8 -> 20.2 min
+# on 2 cores). titan-parallel's and titan-ckpt's gain less (4:08 -> 3:59, 59 -> 43 s: their
+# slowest tests are 2-rank launches that fill both cores already); the smaller suites would
+# spend on starting workers (each imports torch) what they gain.
 XDIST = "pytest-xdist>=3.5,<4"
 _WORKERS = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile"]
 PARALLEL = {name: _WORKERS for name in ("titan-trainer", "titan-parallel", "titan-ckpt")}
