@@ -92,10 +92,9 @@ class ExpertLoad:
         self._last = ratio
         if self.capped:
             chosen = torch.stack(chosen).to(rerouted.dtype)
-            if self._rerouted is None or self._chosen is None:
-                self._rerouted, self._chosen = rerouted, chosen
-            else:
-                self._rerouted, self._chosen = self._rerouted + rerouted, self._chosen + chosen
+            if self._rerouted is not None and self._chosen is not None:  # add to the window's
+                rerouted, chosen = self._rerouted + rerouted, self._chosen + chosen
+            self._rerouted, self._chosen = rerouted, chosen
 
     def read_rerouted(self) -> dict[str, float] | None:
         """Under an expert capacity, each layer's share (0-1) of token-expert choices re-routed

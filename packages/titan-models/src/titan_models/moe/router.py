@@ -66,8 +66,7 @@ class TopKRouter(nn.Module):
         if a.num_groups > 1:
             outside = self._outside_best_groups(choice)
             if capped:  # the other groups only once the best groups' experts are full
-                margin = (choice.max() - choice.min()).detach() + 1.0
-                choice = choice - outside * margin
+                choice = choice - outside * _below_every_score(choice)
             else:
                 choice = choice.masked_fill(outside, float("-inf"))
         if capped:
@@ -103,6 +102,12 @@ class TopKRouter(nn.Module):
         keep = group_score.topk(a.top_k_groups, dim=-1).indices
         mask = torch.ones_like(group_score, dtype=torch.bool).scatter_(-1, keep, False)
         return mask.unsqueeze(-1).expand_as(grouped).flatten(-2)
+
+
+def _below_every_score(choice: torch.Tensor) -> torch.Tensor:
+    """A shift that, subtracted from some of `choice`'s scores, ranks them after every
+    unshifted one while keeping their order (finite, unlike -inf, so they stay choosable)."""
+    return (choice.max() - choice.min()).detach() + 1.0
 
 
 def _on_local(t: torch.Tensor, fn) -> torch.Tensor:
@@ -142,7 +147,7 @@ def top_k_within_capacity(choice: torch.Tensor, k: int, capacity: int) -> torch.
     chosen = [choice[:, :free].topk(k, dim=-1, sorted=False).indices]
     load = torch.zeros(seqs, experts, dtype=torch.long, device=choice.device)
     load.scatter_add_(1, chosen[0].flatten(1), torch.ones_like(chosen[0].flatten(1)))
-    full_margin = (choice.max() - choice.min()).detach() + 1.0
+    full_margin = _below_every_score(choice)
     ones = torch.ones(seqs, k, dtype=torch.long, device=choice.device)
     for t in range(free, tokens):
         ranked = choice[:, t] - (load >= capacity) * full_margin  # full experts last
