@@ -129,6 +129,21 @@ def test_export_refuses_a_trained_expert_bias():
         Qwen3HFAdapter(args).to_hf(state)
 
 
+def test_export_refuses_a_moved_router_center_and_import_zeroes_it():
+    args = _small(moe=True, tied=False)  # the debug flavor's router centering
+    state = build(args).state_dict()
+    assert torch.equal(state["layers.0.feed_forward.router_center"], torch.zeros(args.dim))
+    hf = Qwen3HFAdapter(args).to_hf(state)  # zero: nothing of it in their format
+    assert not [k for k in hf if "center" in k]
+    assert torch.equal(
+        Qwen3HFAdapter(args).from_hf(hf)["layers.1.feed_forward.router_center"],
+        torch.zeros(args.dim),
+    )
+    state["layers.1.feed_forward.router_center"][3] = 0.01
+    with pytest.raises(ValueError, match="layer 1 has a non-zero router center"):
+        Qwen3HFAdapter(args).to_hf(state)
+
+
 def test_expert_bias_starts_at_zero_from_the_plan_whatever_memory_held():
     # A saved buffer that the routing reads: sharded runs initialise from the plan alone
     # (titan-parallel's init_weights_exact), so the plan must name it.
@@ -140,9 +155,11 @@ def test_expert_bias_starts_at_zero_from_the_plan_whatever_memory_held():
     model.to_empty(device="cpu")
     for block in model.layers.values():
         block.feed_forward.expert_bias.fill_(float("nan"))
+        block.feed_forward.router_center.fill_(float("nan"))  # the same for router centering
     assert init_from_plan_(model, model.init_plan(), seed=0) == []
     for block in model.layers.values():
         assert torch.equal(block.feed_forward.expert_bias, torch.zeros(8))
+        assert torch.equal(block.feed_forward.router_center, torch.zeros(args.dim))
 
 
 def test_the_family_is_registered_as_qwen3():

@@ -187,6 +187,7 @@ MOE_BALANCE_KEYS = (
     "moe_load_balance_coeff",
     "moe_router_selection",
     "moe_capacity_factor",
+    "moe_router_centering",
 )
 
 
