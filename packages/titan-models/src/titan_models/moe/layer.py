@@ -16,6 +16,9 @@ Load balancing, both from DeepSeek-V3 (arXiv:2412.19437, section 2.1.2):
   adds no output: its gradient is added in the backward
   pass of this layer (`aux_loss_scale` weighs it, e.g. 1/N under N accumulated microbatches),
   and its last value is kept in `aux_loss` for logging.
+Router centering (`router_centering`, see `titan_models.moe.router`): the router reads its
+input less `router_center`, which `update_expert_bias()` sets to the mean of the router inputs
+summed since the last call (`router_input_sum`, training forwards only).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ top-k sends every token to the same experts, a collapse no balancing that acts o
 steps can follow. Subtracted, it leaves the gate the tokens' differences, the way DINO
 (Caron et al. 2021, arXiv:2104.14294) centers its teacher's outputs with a running mean to
 keep one dimension from taking every sample; here the running mean is the last step's (a
-slower one lags the drift of the residual stream: 48% re-routed at momentum 0.9 against 13%).
+slower one lags the drift of the residual stream: in the Qwen3 debug flavor at step 20 the
+capacity re-routes 48% of the worst layer's choices at momentum 0.9, 13% at the last step's).
 """
 
 from __future__ import annotations
