@@ -189,6 +189,9 @@ def test_router_centering_spreads_tokens_that_share_a_direction_from_the_next_st
     centered.update_expert_bias()
     torch.testing.assert_close(centered.router_center, first.mean(0), rtol=1e-5, atol=1e-6)
     assert centered.router_input_sum.abs().sum() == 0  # counting starts again
+    kept = centered.router_center.clone()
+    centered.update_expert_bias()  # a step without tokens (none routed here) keeps it
+    assert torch.equal(centered.router_center, kept)
     assert _spread(experts(layers[False], second)) == 4.0
     assert _spread(experts(centered, second)) <= 1.5
     trained = experts(centered, second)

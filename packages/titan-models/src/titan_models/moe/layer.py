@@ -196,9 +196,9 @@ class MoE(nn.Module):
             delta = torch.sign(counts.mean() - counts) * self.args.load_balance_coeff
             self.expert_bias.add_(delta.to(self.expert_bias.dtype))
         if self.args.router_centering:
-            tokens = counts.sum() / self.args.top_k
-            if tokens > 0:
-                self.router_center.copy_(input_sum / tokens)
+            tokens = counts.sum() / self.args.top_k  # no host read: where, not if
+            mean = input_sum / tokens.clamp_min(1)
+            self.router_center.copy_(torch.where(tokens > 0, mean, self.router_center))
             self.router_input_sum.zero_()
         self.tokens_per_expert.zero_()
         self.tokens_rerouted.zero_()
