@@ -108,6 +108,25 @@ def test_seed_checkpoint_needs_one_process():
             "[model] moe_capacity_factor = 0.5 is not valid\n       use 0 (no limit), 1 or more",
         ),
         (
+            ["--model.moe_router_centering", "maybe"],
+            '[model] moe_router_centering = "maybe" is not valid (from --model.moe_router_centering)\n'
+            "       expected true or false",
+        ),
+        (
+            ["--model.moe_router_centering", "true"],
+            "[model] moe_router_centering is set but llama3 debugmodel has no mixture-of-experts layers",
+        ),
+        (
+            [
+                "--model.name",
+                "qwen3",
+                "--model.flavor",
+                "debugmodel_moe",
+                "--checkpoint.last_save_in_hf",
+            ],
+            "[checkpoint] last_save_in_hf with qwen3 debugmodel_moe's router centering",
+        ),
+        (
             ["--model.name", "deepseek_v3", "--model.moe_router_selection", "sinkhorn"],
             "[model] moe_router_selection = 'sinkhorn' with deepseek_v3 debugmodel's expert bias"
             " (moe_load_balance_coeff 0.001): Sinkhorn balances every step itself\n"

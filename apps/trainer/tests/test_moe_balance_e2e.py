@@ -1,12 +1,16 @@
 """Every shipped mixture-of-experts debug config trains with its experts balanced: 50 steps on
 the embedded corpus at the config's own learning rate and schedule keep every MoE layer's
-max/mean tokens per expert at or under 1.5 from step 20 on. The same configs with balancing
-switched off (`--model.moe_aux_loss_alpha 0 --model.moe_load_balance_coeff 0
---model.moe_router_selection topk --model.moe_capacity_factor 0`) collapse, so the bound is
+max/mean tokens per expert at or under 1.5 from step 20 on, and the router's own choice
+near that: the expert capacity re-routes at most 30% of the worst layer's choices (50%
+under Llama 4's top-1). The same
+configs with balancing switched off (`--model.moe_aux_loss_alpha 0
+--model.moe_load_balance_coeff 0 --model.moe_router_selection topk
+--model.moe_capacity_factor 0 --model.moe_router_centering false`) collapse, so the bound is
 earned by the balancing and not by the data; the collapse is also warned about. What holds
-the bound is the debug flavors' expert capacity of 1.25 (`titan_models.moe.DEBUG_CAPACITY`)
-on top of their reference's balancing; neither the auxiliary loss nor the expert bias at
-any weight, nor Sinkhorn selection, does alone (trainer README, "Mixture of experts").
+the load is the debug flavors' expert capacity of 1.25 and what keeps the router's own
+choice near it their router centering (`titan_models.moe.DEBUG_BALANCING`), on top of
+their reference's balancing; neither the auxiliary loss nor the expert bias at any weight,
+nor Sinkhorn selection, does alone (trainer README, "Mixture of experts").
 
 Shortened only in the batch (4 sequences of 128 tokens, 512 tokens per step: the collapse
 still happens at this size within 10 steps). The six runs share the machine, one process each.
@@ -24,8 +28,15 @@ STEPS = 50
 FROM_STEP = 20
 BOUND = 1.5
 OFF = ["--model.moe_aux_loss_alpha", "0", "--model.moe_load_balance_coeff", "0",
-       "--model.moe_router_selection", "topk", "--model.moe_capacity_factor", "0"]  # fmt: skip
+       "--model.moe_router_selection", "topk", "--model.moe_capacity_factor", "0",
+       "--model.moe_router_centering", "false"]  # fmt: skip
+# The most the capacity may re-route, in % of the worst layer's choices, from step 20: with
+# router centering 7-20% (Qwen3), 8-18% (DeepSeek-V3), 18-36% (Llama 4's top-1) on one
+# machine; without it 67-69% and 77-84%. The margin is for other CPUs' rounding, which
+# changes the trajectory.
+REROUTED_BOUND = {"qwen3_moe_debug": 30, "deepseek_v3_debug": 30, "llama4_debug": 50}
 LOAD = re.compile(r"step +(\d+) \|.*experts max/mean [\d.]+ \(([\d. ]+)\)")
+REROUTED = re.compile(r"step +(\d+) \|.*\| re-routed (\d+)%")
 
 
 def _args(config: str, folder) -> list[str]:
@@ -67,8 +78,13 @@ def test_every_moe_layer_stays_balanced_from_step_20(runs, config):
     over = {step: layers for step, layers in late.items() if max(layers) > BOUND}
     assert not over, f"{config}: layers above {BOUND} (step: each layer's max/mean): {over}"
     assert "experts: in " not in out  # no collapse warning
-    # The capacity's re-routed share is on every line beside the load it evens out.
-    assert len(re.findall(r"\| re-routed \d+%", out)) == STEPS
+    # The capacity's re-routed share is on every line beside the load it evens out, and it
+    # stays small: the router's own choice is nearly even (router centering), the capacity
+    # only trims it (without centering it re-routes 67-84% of the worst layer's choices).
+    rerouted = {int(m[1]): int(m[2]) for m in REROUTED.finditer(out)}
+    assert sorted(rerouted) == list(range(1, STEPS + 1)), sorted(rerouted)
+    late = {step: share for step, share in rerouted.items() if step >= FROM_STEP}
+    assert max(late.values()) <= REROUTED_BOUND[config], f"{config}: re-routed % by step: {late}"
     losses = parse_losses(out)
     assert losses[STEPS] < 0.6 * losses[1], losses  # and it trains
 

@@ -1,8 +1,8 @@
 """Box-by-box conversion (`to_hf_slices`, `from_hf_slice`) against the whole-tensor one, for
 every family and every transform: Llama's per-head permutation (boxes that cut heads in two),
 joined tensors (DeepSeek-V3's latent and rotary key, Llama 4's gate_up along the last
-dimension), one tensor per expert (Qwen3-MoE, DeepSeek-V3), the zero expert bias and tied
-embeddings. What a sharded import or export relies on: the boxes of any partition of our
+dimension), one tensor per expert (Qwen3-MoE, DeepSeek-V3), the zero expert bias and router
+center, and tied embeddings. What a sharded import or export relies on: the boxes of any partition of our
 tensors cover Hugging Face's tensors exactly once with the same values, and any box of ours
 is rebuilt exactly from what it reads."""
 
@@ -71,9 +71,10 @@ def _state(spec, args):
     generator = torch.Generator().manual_seed(0)
     state = {}
     for name, tensor in model.state_dict().items():
-        # Distinct values everywhere (a misplaced element shows); the expert bias stays zero,
-        # as Hugging Face's Qwen3-MoE and Llama 4 can only hold a zero one.
-        zero = name.endswith("expert_bias")
+        # Distinct values everywhere (a misplaced element shows); the expert bias and the
+        # router center (the debug flavors' router centering) stay zero, as Hugging Face's
+        # Qwen3-MoE and Llama 4 can only hold a zero bias and no family a center.
+        zero = name.endswith(("expert_bias", "router_center"))
         state[name] = (
             torch.zeros_like(tensor) if zero else torch.rand(tensor.shape, generator=generator)
         )

@@ -6,6 +6,8 @@ is also causal (first come, first served along the sequence)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,3 +160,41 @@ def test_only_training_forwards_count_towards_the_load():
         assert layer.tokens_per_expert.sum() == 0
         layer.train()(x)
     assert layer.tokens_per_expert.sum() == 2 * 8 * 2
+
+
+def test_router_centering_spreads_tokens_that_share_a_direction_from_the_next_step_on():
+    """Router centering subtracts the last training step's mean router input: tokens nearly
+    parallel to one direction, which plain top-k sends to one pair of experts, spread once a
+    step has set the center, in training and eval alike (it is the router's own choice, not
+    a training-only one)."""
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=8, top_k=2, hidden_dim=16, load_balance_coeff=None)
+    layers = {c: MoE(DIM, dataclasses.replace(args, router_centering=c)) for c in (False, True)}
+    for layer in layers.values():
+        torch.manual_seed(5)  # the same router
+        torch.nn.init.normal_(layer.router.gate.weight, std=0.3)
+    first, second = _alike_tokens(low_rank=False), _alike_tokens(low_rank=False).flip(0)
+    second = second + 0.05 * torch.randn_like(second)  # the next step's tokens, alike too
+
+    def experts(layer, tokens):
+        center = layer.router_center if layer.args.router_centering else None
+        with torch.no_grad():
+            return layer.router(tokens, None, SEQS, center)[1]
+
+    centered = layers[True]
+    assert _spread(experts(centered, first)) == 4.0  # the center starts at zero
+    with torch.no_grad():  # a step of two microbatches: the center is their mean
+        for half in first.view(2, -1, SEQ, DIM):
+            centered(half)
+    centered.update_expert_bias()
+    torch.testing.assert_close(centered.router_center, first.mean(0), rtol=1e-5, atol=1e-6)
+    assert centered.router_input_sum.abs().sum() == 0  # counting starts again
+    kept = centered.router_center.clone()
+    centered.update_expert_bias()  # a step without tokens (none routed here) keeps it
+    assert torch.equal(centered.router_center, kept)
+    assert _spread(experts(layers[False], second)) == 4.0
+    assert _spread(experts(centered, second)) <= 1.5
+    trained = experts(centered, second)
+    assert torch.equal(experts(centered.eval(), second), trained)  # eval routes alike
+    assert "router_center" in centered.state_dict()  # state: a resumed run routes alike
+    assert "router_center" not in layers[False].state_dict()  # the references' unchanged

@@ -129,6 +129,42 @@ def test_export_refuses_a_trained_expert_bias():
         Qwen3HFAdapter(args).to_hf(state)
 
 
+def test_export_refuses_a_moved_router_center_and_import_zeroes_it():
+    args = _small(moe=True, tied=False)  # the debug flavor's router centering
+    state = build(args).state_dict()
+    assert torch.equal(state["layers.0.feed_forward.router_center"], torch.zeros(args.dim))
+    hf = Qwen3HFAdapter(args).to_hf(state)  # zero: nothing of it in their format
+    assert not [k for k in hf if "center" in k]
+    assert torch.equal(
+        Qwen3HFAdapter(args).from_hf(hf)["layers.1.feed_forward.router_center"],
+        torch.zeros(args.dim),
+    )
+    state["layers.1.feed_forward.router_center"][3] = 0.01
+    with pytest.raises(ValueError, match="layer 1 has a non-zero router center"):
+        Qwen3HFAdapter(args).to_hf(state)
+
+
+def test_a_centered_router_decodes_with_a_cache_as_a_full_forward():
+    """Generation routes as validation and training: each MoE layer subtracts its router
+    center from every token, the cached one-token steps included."""
+    from conftest import decode_in_pieces
+
+    args = _small(moe=True, tied=False)
+    model = build(args).eval()
+    with torch.no_grad():
+        for block in model.layers.values():  # a center that moves the routing
+            block.feed_forward.router_center.normal_(std=1.0)
+    full, cached, _ = decode_in_pieces(model, args.vocab_size)
+    assert (cached - full).abs().max().item() <= 1e-5  # fp32, as the dense model's test
+    with torch.no_grad():
+        for block in model.layers.values():
+            block.feed_forward.router_center.zero_()
+        uncentered = model(
+            torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+        )
+    assert (uncentered - full).abs().max().item() > 1e-3  # the center did change the routing
+
+
 def test_expert_bias_starts_at_zero_from_the_plan_whatever_memory_held():
     # A saved buffer that the routing reads: sharded runs initialise from the plan alone
     # (titan-parallel's init_weights_exact), so the plan must name it.
@@ -140,9 +176,11 @@ def test_expert_bias_starts_at_zero_from_the_plan_whatever_memory_held():
     model.to_empty(device="cpu")
     for block in model.layers.values():
         block.feed_forward.expert_bias.fill_(float("nan"))
+        block.feed_forward.router_center.fill_(float("nan"))  # the same for router centering
     assert init_from_plan_(model, model.init_plan(), seed=0) == []
     for block in model.layers.values():
         assert torch.equal(block.feed_forward.expert_bias, torch.zeros(8))
+        assert torch.equal(block.feed_forward.router_center, torch.zeros(args.dim))
 
 
 def test_the_family_is_registered_as_qwen3():

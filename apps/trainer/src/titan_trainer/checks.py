@@ -84,6 +84,7 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
     dims = layout.dims
     problems += _expert_problems(config, layout)
     problems += _balance_problems(config)
+    problems += _hf_export_problems(config)
     problems += _tensor_parallel_problems(config, layout)
     if model_found:
         spec = resolve(plugins.MODELS, config.model.name)
@@ -187,6 +188,7 @@ MOE_BALANCE_KEYS = (
     "moe_load_balance_coeff",
     "moe_router_selection",
     "moe_capacity_factor",
+    "moe_router_centering",
 )
 
 
@@ -213,6 +215,27 @@ def _balance_problems(config: JobConfig) -> list[str]:
     return [
         f"[model] {keys[0]} is set but {m.name} {m.flavor} has no mixture-of-experts layers\n"
         "remove it, or pick a flavor with experts (e.g. qwen3 debugmodel_moe)"
+    ]
+
+
+def _hf_export_problems(config: JobConfig) -> list[str]:
+    """A router that reads a centered input has no counterpart in Hugging Face's models: the
+    export at the end of the run would fail after the training, so refuse it before."""
+    m = config.model
+    if not config.checkpoint.last_save_in_hf:
+        return []
+    try:
+        args = resolve(plugins.MODELS, m.name).flavors[m.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
+    moe = getattr(args, "moe", None)
+    if moe is None or not moe_balance_for(moe, config).router_centering:
+        return []
+    return [
+        f"[checkpoint] last_save_in_hf with {m.name} {m.flavor}'s router centering"
+        " ([model] moe_router_centering): a Hugging Face router has no place for the center,"
+        " so the export at the end of the run would fail\nset --model.moe_router_centering"
+        " false to train a model that exports, or leave last_save_in_hf off"
     ]
 
 

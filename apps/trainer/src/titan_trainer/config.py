@@ -68,6 +68,12 @@ class Model:
     on its own, whatever the parallel layout; under context parallel each rank's part). A
     loop over the sequence's positions: slow at long sequences. Unset: the flavor's own (the
     MoE debug flavors: 1.25); 0 turns it off."""
+    moe_router_centering: bool | None = None
+    """Mixture-of-experts models: subtract from the router's input the mean router input of
+    the last training step (summed over the data-parallel ranks, saved with the model), in
+    training, validation and generation alike, so that a direction every token shares does
+    not send them all to the same experts. A Hugging Face router has no place for the
+    center: `last_save_in_hf` is refused with it before the run starts. Unset: the flavor's own (the MoE debug flavors: true); false turns it off."""
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention within a packed sample: `causal`, or `block_causal`: a token attends only to
     the earlier tokens of its own document (documents start at the tokenizer's BOS, or for one

@@ -1,6 +1,7 @@
-"""The trainer's side of mixture-of-experts layers (any module with `update_expert_bias`, such
-as titan-models' `MoE`): after each optimizer step the expert biases move towards even load,
-from the tokens every expert received on all the ranks that share the weights; the load of
+"""The trainer's side of mixture-of-experts layers (any module with `update_expert_bias` and
+`step_sums`, such as titan-models' `MoE`): after each optimizer step the expert biases move
+towards even load, from the tokens every expert received on all the ranks that share the
+weights, and routers with centering take the mean of those ranks' router inputs; the load of
 every layer is reported as max / mean tokens per expert on the metric line and in TensorBoard;
 a layer whose busiest expert stays above `COLLAPSE_RATIO` times the mean for `COLLAPSE_STEPS`
 steps in a row is warned about once; and the auxiliary balance loss is weighed like the step's
@@ -25,8 +26,9 @@ COLLAPSE_WARNING = (
     "experts: in %s the busiest expert has taken more than %.1f times the mean load for %d "
     "steps in a row (max/mean %.2f now): the router is sending most tokens to a few experts, "
     "and the others barely train.\n"
-    "  Set --model.moe_capacity_factor 1.25 (each expert takes at most 1.25 times its share, "
-    "the rest re-routed), raise --model.moe_aux_loss_alpha (the auxiliary balance loss) or "
+    "  Set --model.moe_router_centering true (the router reads its input less the last step's "
+    "mean) and --model.moe_capacity_factor 1.25 (each expert takes at most 1.25 times its "
+    "share, the rest re-routed), raise --model.moe_aux_loss_alpha (the auxiliary balance loss) or "
     "--model.moe_load_balance_coeff (the expert-bias step), or lower --optimizer.lr."
 )
 
@@ -67,19 +69,20 @@ class ExpertLoad:
     def after_step(self) -> None:
         """Move the biases and note this step's max/mean load per layer (on the device: no
         host read)."""
-        counts = torch.cat([layer.tokens_per_expert for layer in self.layers])
+        sums = [layer.step_sums() for layer in self.layers]  # counts (and router inputs)
+        counts = torch.cat(sums)
         if self.capped:
             rerouted = torch.stack([layer.tokens_rerouted for layer in self.layers])
             counts = torch.cat([counts, rerouted.to(counts.dtype)])
         if self.group is not None:  # one all-reduce for every layer
             torch.distributed.all_reduce(counts, group=self.group)
         ratios, chosen = [], []
-        sizes = [layer.tokens_per_expert.numel() for layer in self.layers]
+        sizes = [s.numel() for s in sums]
         if self.capped:
             counts, rerouted = counts[: sum(sizes)], counts[sum(sizes) :]
-        for layer, mine in zip(self.layers, counts.split(sizes)):
+        for layer, summed in zip(self.layers, counts.split(sizes)):
+            mine = layer.update_expert_bias(sums=summed)
             chosen.append(mine.sum())
-            layer.update_expert_bias(counts=mine)
             ratios.append(mine.max() / mine.mean().clamp_min(1))
         ratio = torch.stack(ratios).float()
         above = (ratio > COLLAPSE_RATIO).float()

@@ -52,6 +52,8 @@ def moe_balance_for(moe, config: JobConfig):
         changes["router_selection"] = m.moe_router_selection
     if m.moe_capacity_factor is not None:
         changes["capacity_factor"] = m.moe_capacity_factor or None
+    if m.moe_router_centering is not None:
+        changes["router_centering"] = m.moe_router_centering
     return dataclasses.replace(moe, **changes)
 
 

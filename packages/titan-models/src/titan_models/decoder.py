@@ -94,8 +94,11 @@ def block_init_plan(
     plan |= {f"attention.{n}": p for n, p in attention.init_plan(args, std, out_std).items()}
     if moe is None:
         ffn = swiglu_init_plan(std, out_std)
-    else:  # the expert bias is a buffer, but state (saved with the weights): unbiased at first
+    else:  # the expert bias (and router center) are buffers, but state (saved with the
+        # weights): zero at first
         ffn = moe_init_plan(moe, std, out_std) | {"expert_bias": ParamInit("constant", value=0.0)}
+        if moe.router_centering:
+            ffn["router_center"] = ParamInit("constant", value=0.0)
     return plan | {f"feed_forward.{n}": p for n, p in ffn.items()}
 
 

@@ -233,8 +233,12 @@ class ZeroOnly(Transform):
     (else `to_hf` raises "{where} has {refusal}"), imported as zeros in every block that has
     one of `alongside` (as many as their first dimension)."""
 
-    def __init__(self, ours: str, alongside: tuple[str, ...], refusal: str):
-        self.ours, self.alongside, self.refusal = (ours,), alongside, refusal
+    def __init__(
+        self, ours: str, alongside: tuple[str, ...], refusal: str, size: int | None = None
+    ):
+        """`size`: the length of the zeros imported (default: the first dimension of
+        `alongside`'s tensor)."""
+        self.ours, self.alongside, self.refusal, self.size = (ours,), alongside, refusal, size
 
     @classmethod
     def expert_bias(cls, hf_model: str) -> ZeroOnly:
@@ -245,6 +249,19 @@ class ZeroOnly(Transform):
             f"a non-zero expert bias, which Hugging Face's {hf_model} cannot hold (its routing"
             " would change); train with a flavor whose load_balance_coeff is None (the"
             f" {hf_model} flavors' default)",
+        )
+
+    @classmethod
+    def router_center(cls, hf_model: str, dim: int) -> ZeroOnly:
+        """The router center of router centering (the MoE debug flavors' `router_centering`),
+        which `hf_model` has no place for."""
+        return cls(
+            "feed_forward.router_center",
+            EXPERT_WEIGHTS,
+            f"a non-zero router center, which Hugging Face's {hf_model} cannot hold (its routing"
+            " would change); train with router_centering off (--model.moe_router_centering"
+            " false)",
+            size=dim,
         )
 
     def to_hf(self, parts, where):
@@ -262,7 +279,8 @@ class ZeroOnly(Transform):
     def complete(self, layer):
         present = [layer[n] for n in self.alongside if n in layer]
         if present:
-            layer.setdefault(self.ours[0], torch.zeros(present[0].shape[0], dtype=torch.float32))
+            size = present[0].shape[0] if self.size is None else self.size
+            layer.setdefault(self.ours[0], torch.zeros(size, dtype=torch.float32))
 
 
 class DecoderHFAdapter:

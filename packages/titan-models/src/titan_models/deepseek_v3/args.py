@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan_models.args import DEBUG_SIZE, DecoderArgs
-from titan_models.moe import DEBUG_CAPACITY, MoEArgs
+from titan_models.moe import DEBUG_BALANCING, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -151,11 +151,10 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
         v_head_dim=32,
         # The reference's bias step (0.001) moves a bias by 0.05 in a 50-step run, too little
         # against this small model's collapse at lr 3e-3 (0.03 with an auxiliary loss of 0.3
-        # still leaves 4.0); with the expert capacity (DEBUG_CAPACITY) on top of the reference's
-        # balancing every layer stays at or under 1.25 (trainer README, "Mixture of experts").
-        moe=dataclasses.replace(
-            _v3_moe(8, 2, 192, groups=4, top_groups=2), capacity_factor=DEBUG_CAPACITY
-        ),
+        # still leaves 4.0); with DEBUG_BALANCING (the expert capacity and router centering)
+        # on top of the reference's balancing every layer stays at or under 1.25 and the
+        # router's own choice near it (trainer README, "Mixture of experts").
+        moe=dataclasses.replace(_v3_moe(8, 2, 192, groups=4, top_groups=2), **DEBUG_BALANCING),
         n_mtp_layers=1,
     ),
     # DeepSeek-V2-Lite's shape: 15.7B parameters, 2.4B active.

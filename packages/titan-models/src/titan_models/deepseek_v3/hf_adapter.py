@@ -34,6 +34,7 @@ from titan_models.hf_adapter import (
     Joined,
     PerExpert,
     Transform,
+    ZeroOnly,
     swiglu_names,
 )
 
@@ -61,7 +62,10 @@ class DeepSeekV3HFAdapter(DecoderHFAdapter):
         kv_a = ("attention.wkv_a.weight", "attention.wk_rope.weight")
         sizes = [a.kv_lora_rank, a.qk_rope_head_dim]
         joined = Joined(kv_a, "self_attn.kv_a_proj_with_mqa.weight", dim=0, sizes=sizes)
-        return [joined, *PerExpert.experts(a.moe.num_experts)] if a.moe else [joined]
+        if a.moe is None:
+            return [joined]
+        centered = [ZeroOnly.router_center("DeepSeek-V3", a.dim)] if a.moe.router_centering else []
+        return [joined, *PerExpert.experts(a.moe.num_experts), *centered]
 
     def from_hf(self, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         kept: dict[str, torch.Tensor] = {}

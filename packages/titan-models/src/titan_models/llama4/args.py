@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan_models.args import DEBUG_SIZE, DecoderArgs, head_problems
-from titan_models.moe import DEBUG_CAPACITY, HF_BALANCING, MoEArgs
+from titan_models.moe import DEBUG_BALANCING, HF_BALANCING, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,10 @@ llama4_flavors: dict[str, Llama4Args] = {
         n_heads=16,
         hidden_dim=768,
         # The reference's 0.001 lets this small model collapse (a layer's max/mean 8 of 8 at
-        # lr 3e-3), 0.3 leaves 6.3; with the expert capacity (DEBUG_CAPACITY) every layer
-        # stays at or under 1.25 (trainer README, "Mixture of experts").
-        moe=dataclasses.replace(_moe(8, 256), capacity_factor=DEBUG_CAPACITY),
+        # lr 3e-3), 0.3 leaves 6.3; with DEBUG_BALANCING (the expert capacity and router
+        # centering) every layer stays at or under 1.25 and the router's own choice near it
+        # (trainer README, "Mixture of experts").
+        moe=dataclasses.replace(_moe(8, 256), **DEBUG_BALANCING),
         interleave_moe_layer_step=2,
         use_rope_scaling=True,
         rope_original_max_seq_len=256,

@@ -51,7 +51,10 @@ class Llama4HFAdapter(DecoderHFAdapter):
             return []
         w1_w3 = ("feed_forward.experts.w1", "feed_forward.experts.w3")
         gate_up = Joined(w1_w3, "feed_forward.experts.gate_up_proj", dim=-1)
-        return [gate_up, ZeroOnly.expert_bias("Llama 4")]
+        zeros = [ZeroOnly.expert_bias("Llama 4")]
+        if self.args.moe.router_centering:
+            zeros.append(ZeroOnly.router_center("Llama 4", self.args.dim))
+        return [gate_up, *zeros]
 
     def check_representable(self) -> None:
         moe = self.args.moe

@@ -64,6 +64,15 @@ class MoEArgs:
     depend on the data-parallel, expert-parallel or pipeline layout; under context parallel
     each rank limits its own part of the sequence. A loop over the sequence's positions per
     layer: meant for debug-size models. None: no limit (eval and generation never limit)."""
+    router_centering: bool = False
+    """Subtract from the router's input the mean router input of the last training step
+    (every data-parallel rank's tokens, set after each optimizer step, zero before the
+    first): a direction that every token shares, which grows in the residual stream early in
+    training, then adds the same logit to every token and does not pick its experts. In
+    training, validation and generation alike (a token's experts depend on no later token);
+    the mean is a buffer saved with the model (`router_center`), which Hugging Face's formats
+    have no place for (export refused once it is non-zero). Not a reference's scheme: the
+    debug flavors' (trainer README, "Mixture of experts")."""
     use_grouped_mm: bool = True
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
@@ -128,6 +137,16 @@ within a few steps, and every balancer that reacts to the previous steps' loads 
 loss of any weight, expert bias of any step) leaves layers at 2-8 times their share, and
 Sinkhorn selection (balancing the current tokens softly) at 2-2.4; the capacity holds every
 layer at 1.25 (trainer README, "Mixture of experts"). Inference routes as the reference."""
+
+DEBUG_BALANCING = dict(capacity_factor=DEBUG_CAPACITY, router_centering=True)
+"""What the MoE debug flavors add to their reference's balancing (MoEArgs changes): the
+capacity above, and `router_centering`. At lr 3e-3 the router's inputs grow nearly parallel
+within 10 steps (in the deepest layers 90-96% of their mean square along the mean token), so
+the router's own top-k sends every token to one pair of experts and the capacity re-routes
+67-84% of that layer's choices from step 20; with the mean of the last step's inputs
+subtracted, the router's own top-k is left the tokens' differences and the capacity
+re-routes 7-20% (Qwen3), 8-18% (DeepSeek-V3), 18-36% (Llama 4's top-1) (trainer README,
+"Mixture of experts")."""
 
 A = TypeVar("A")
 

@@ -16,6 +16,9 @@ Load balancing, both from DeepSeek-V3 (arXiv:2412.19437, section 2.1.2):
   adds no output: its gradient is added in the backward
   pass of this layer (`aux_loss_scale` weighs it, e.g. 1/N under N accumulated microbatches),
   and its last value is kept in `aux_loss` for logging.
+Router centering (`router_centering`, see `titan_models.moe.router`): the router reads its
+input less `router_center`, which `update_expert_bias()` sets to the mean of the router inputs
+summed since the last call (`router_input_sum`, training forwards only).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ class MoE(nn.Module):
             else None
         )
         self.register_buffer("expert_bias", torch.zeros(args.num_experts))
+        if args.router_centering:  # saved (state: the routing depends on it); the sum not
+            self.register_buffer("router_center", torch.zeros(dim))
+            self.register_buffer("router_input_sum", torch.zeros(dim), persistent=False)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         # Token-expert choices a capacity re-routed since the last bias update (training).
         self.register_buffer("tokens_rerouted", torch.zeros(()), persistent=False)
@@ -86,7 +92,8 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
         bias = self.expert_bias if a.load_balance_coeff is not None else None
-        weights, experts, scores = self.router(tokens, bias, batch)
+        center = self.router_center if a.router_centering else None
+        weights, experts, scores = self.router(tokens, bias, batch, center)
         flat = experts.flatten()  # token t's choices at t*k .. t*k+k-1
         # Tokens per expert, with a shape known before the data (fake tensors, compile).
         counts = torch.zeros(a.num_experts, dtype=torch.int64, device=flat.device)
@@ -96,6 +103,8 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts
                 if self.router.rerouted is not None:
                     self.tokens_rerouted += self.router.rerouted
+                if a.router_centering:
+                    self.router_input_sum += tokens.float().sum(0)
         order = flat.argsort(stable=True)  # every expert's tokens together, in expert order
         token_of = order // a.top_k
         weight_of = weights.flatten()[order].unsqueeze(-1)
@@ -155,22 +164,42 @@ class MoE(nn.Module):
         (default: where it is)."""
         self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert, device=buffer_device)
         self.tokens_rerouted = torch.zeros_like(self.tokens_rerouted, device=buffer_device)
+        if self.args.router_centering:
+            self.router_input_sum = torch.zeros_like(self.router_input_sum, device=buffer_device)
         if buffer_device is not None:
             self.expert_bias = self.expert_bias.to(buffer_device)
+            if self.args.router_centering:
+                self.router_center = self.router_center.to(buffer_device)
+
+    def step_sums(self) -> torch.Tensor:
+        """What the tokens since the last bias update add up to, for the caller to sum over
+        the ranks that share this layer's weights: the tokens per expert, then (with router
+        centering) the sum of the router's inputs."""
+        if not self.args.router_centering:
+            return self.tokens_per_expert
+        return torch.cat([self.tokens_per_expert, self.router_input_sum])
 
     @torch.no_grad()
-    def update_expert_bias(self, group=None, *, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def update_expert_bias(self, group=None, *, sums: torch.Tensor | None = None) -> torch.Tensor:
         """After the optimizer step: move each expert's selection bias towards even load, from
-        the tokens counted since the last call (summed over `group`, e.g. the data-parallel
-        process group, so that every rank moves its biases alike; or `counts` summed by the
-        caller), and start counting again. Returns the counts."""
-        if counts is None:
-            counts = self.tokens_per_expert.clone()
+        the tokens counted since the last call, set the router's center to the mean of their
+        router inputs (router centering; kept when no token came), and start counting again.
+        What is counted is `step_sums()`, summed here over `group` (e.g. the data-parallel
+        process group, so that every rank moves alike) or given summed by the caller (`sums`).
+        Returns the tokens per expert."""
+        if sums is None:
+            sums = self.step_sums().clone()
             if group is not None:
-                torch.distributed.all_reduce(counts, group=group)
+                torch.distributed.all_reduce(sums, group=group)
+        counts, input_sum = sums[: self.args.num_experts], sums[self.args.num_experts :]
         if self.args.load_balance_coeff is not None:
             delta = torch.sign(counts.mean() - counts) * self.args.load_balance_coeff
             self.expert_bias.add_(delta.to(self.expert_bias.dtype))
+        if self.args.router_centering:
+            tokens = counts.sum() / self.args.top_k  # no host read: where, not if
+            mean = input_sum / tokens.clamp_min(1)
+            self.router_center.copy_(torch.where(tokens > 0, mean, self.router_center))
+            self.router_input_sum.zero_()
         self.tokens_per_expert.zero_()
         self.tokens_rerouted.zero_()
         return counts

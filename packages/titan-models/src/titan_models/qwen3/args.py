@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan_models.args import DEBUG_SIZE, DecoderArgs, head_problems
-from titan_models.moe import DEBUG_CAPACITY, HF_BALANCING, MoEArgs
+from titan_models.moe import DEBUG_BALANCING, HF_BALANCING, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,11 @@ qwen3_flavors: dict[str, Qwen3Args] = {
     "debugmodel": Qwen3Args(**_DEBUG, tie_word_embeddings=True),
     # The reference's balancing alone (the batch-level auxiliary loss, 0.001) lets this small
     # model collapse onto one expert per layer within 10 steps at the debug config's lr 3e-3;
-    # the loss at 0.3 still leaves layers at 3.7 max/mean. With the expert capacity
-    # (DEBUG_CAPACITY) every layer stays at or under 1.25 (trainer README, "Mixture of experts").
+    # the loss at 0.3 still leaves layers at 3.7 max/mean. With DEBUG_BALANCING (the expert
+    # capacity and router centering) every layer stays at or under 1.25 and the router's own
+    # choice near it (trainer README, "Mixture of experts").
     "debugmodel_moe": Qwen3Args(
-        **_DEBUG, moe=dataclasses.replace(_moe(8, 2, 192), capacity_factor=DEBUG_CAPACITY)
+        **_DEBUG, moe=dataclasses.replace(_moe(8, 2, 192), **DEBUG_BALANCING)
     ),
     # Dense: 8 kv heads of 128 (the defaults); the small ones tie their embeddings.
     "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, hidden_dim=3072, tie_word_embeddings=True),

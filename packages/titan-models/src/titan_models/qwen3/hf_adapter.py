@@ -40,7 +40,10 @@ class Qwen3HFAdapter(DecoderHFAdapter):
         moe = self.args.moe
         if moe is None:
             return []
-        return [*PerExpert.experts(moe.num_experts), ZeroOnly.expert_bias("Qwen3-MoE")]
+        zeros = [ZeroOnly.expert_bias("Qwen3-MoE")]
+        if moe.router_centering:
+            zeros.append(ZeroOnly.router_center("Qwen3-MoE", self.args.dim))
+        return [*PerExpert.experts(moe.num_experts), *zeros]
 
     def architecture_config(self) -> dict[str, Any]:
         a = self.args
