@@ -284,3 +284,36 @@ def test_all_ranks_simulates_every_pipeline_rank(tmp_path, capsys):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _table_rows(result.stdout)
     assert list(rows) == [f"pipeline rank {r}" for r in range(4)], result.stdout
+
+
+def _probe_process(leave_a_process_group: bool) -> tuple[int, int, bool]:
+    """(pid, parent pid, whether a process group existed on arrival) of a simulation process."""
+    import os
+
+    import torch.distributed as dist
+
+    from titan_parallel.memory_estimate import fake_process_group
+
+    found = dist.is_initialized()
+    if leave_a_process_group:
+        fake_process_group(8, 3).__enter__()  # never left: as if a simulation had leaked
+    return os.getpid(), os.getppid(), found
+
+
+def test_each_simulation_runs_in_a_fresh_process_forked_from_one_importing_server():
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    from titan_trainer.dry_run.simulate import _fresh_processes
+
+    context = _fresh_processes()
+    probes = []
+    for leave in (True, False):
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            probes.append(pool.submit(_probe_process, leave).result())
+    (pid1, parent1, found1), (pid2, parent2, found2) = probes
+    assert pid1 != pid2 and not found1 and not found2, probes  # nothing leaks into the next
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        # Both forked by the one server that imported torch and the trainer, not by us.
+        assert parent1 == parent2 != os.getpid(), (probes, os.getpid())

@@ -130,10 +130,18 @@ def fake_tensors() -> Iterator[None]:
     cost no memory. Tensors that already exist (meta parameters, meshes) may be used as inputs.
     DTensor computes each op's output shape by running it on fake tensors of the *global* shape;
     those runs are moved to a separate fake mode so that a memory tracker does not count them.
+    A fused optimizer step's sharding is propagated in linear time (see
+    `titan_parallel.foreach_sharding`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _isolated_sharding_propagation():
+    from titan_parallel.foreach_sharding import linear_foreach_sharding
+
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        _isolated_sharding_propagation(),
+        linear_foreach_sharding(),
+    ):
         yield
 
 
