@@ -84,6 +84,9 @@ def runs(tmp_path_factory, same_doc_dataset) -> dict:
             ),
         }
         out |= {name: run.result(900) for name, run in second.items()}
+    # The tests read the runs' output only; their checkpoints (1.1 GiB) would hold the disk
+    # until the session ends.
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
