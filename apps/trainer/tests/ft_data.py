@@ -4,6 +4,11 @@ torchrun attempt only (a lost node, as the other groups see it), and the survivi
 be held back until the killed group is back, so that the run does not end without it.
 
 Configured by environment:
+  FT_START_DIR, FT_START_NAME, FT_START_COUNT: a group of the first attempt creates
+    FT_START_DIR/FT_START_NAME before its first batch and waits (at most FT_HOLD_MAX_S seconds)
+    until FT_START_COUNT groups have, so that the groups start stepping together however long
+    each took to start up (on a loaded machine one group started 10 s after the others, and the
+    synchronisations the test choreographs fell at other steps);
   FT_KILL_AT: the batch (counted from 1) before which this group's process dies;
   FT_PASSED_FILE, FT_PASSED_AT: a group of the first attempt creates the file when it reads its
     FT_PASSED_AT-th batch (it has taken the steps before it); the restarted group waits for the
@@ -38,6 +43,8 @@ class ReplicaTestLoader(WrappedLoader):
         passed = os.environ.get("FT_PASSED_FILE")
         for batch in self.inner:
             self.batches += 1
+            if self.batches == 1 and self.attempt == 0 and "FT_START_DIR" in os.environ:
+                _start_together()
             if passed and self.attempt == 0 and self.batches == int(os.environ["FT_PASSED_AT"]):
                 Path(passed).touch()
             if self.attempt == 0 and self.batches == int(os.environ.get("FT_KILL_AT", "0")):
@@ -52,6 +59,16 @@ class ReplicaTestLoader(WrappedLoader):
                 else:
                     time.sleep(float(os.environ["FT_SLOW_SECONDS"]))
             yield batch
+
+
+def _start_together() -> None:
+    folder = Path(os.environ["FT_START_DIR"])
+    folder.mkdir(exist_ok=True)
+    (folder / os.environ["FT_START_NAME"]).touch()
+    count = int(os.environ["FT_START_COUNT"])
+    deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
+    while len(list(folder.iterdir())) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _wait_for(path: Path) -> None:

@@ -96,6 +96,8 @@ def _start_groups(
     returns {group: Popen}."""
     _, commands = _readme_lines()
     procs = {}
+    # The groups take their first step together (ft_data): each starts up in its own time.
+    start_together = {"FT_START_DIR": str(folder / "started"), "FT_START_COUNT": str(groups)}
     for g, command in enumerate(commands[:groups]):
         assert f"--fault_tolerance.replica_id {g} " in command
         words = shlex.split(command)
@@ -116,7 +118,7 @@ def _start_groups(
                 stdout=out,
                 stderr=err,
                 text=True,
-                env={**_env(), **env, **envs.get(g, {})},
+                env={**_env(), **env, **start_together, "FT_START_NAME": str(g), **envs.get(g, {})},
                 start_new_session=True,  # a timeout stops torchrun and its ranks
             )
     return procs

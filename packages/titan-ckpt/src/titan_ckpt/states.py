@@ -8,6 +8,7 @@ every rank's copy.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 from collections.abc import Sequence
@@ -128,7 +129,30 @@ class OptimizerState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = {self._parts.add(k, optimizer=True): v for k, v in state_dict.items()}
-        set_optimizer_state_dict(self._parts.module, self.optimizer, sd, options=self._OPTIONS)
+        with _gradients_set_aside(self.optimizer):
+            set_optimizer_state_dict(self._parts.module, self.optimizer, sd, options=self._OPTIONS)
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(optimizer: torch.optim.Optimizer):
+    """No gradients while an optimizer that has never stepped loads a state dict. torch reads
+    a flattened state into the slots the optimizer has; an optimizer without state gets them
+    from a step at lr 0, which torch skips when any parameter holds a gradient, and then loads
+    nothing: the moments and step counts stay empty, silently. A fault-tolerant replica group
+    that receives the state of a live group after its own backward (it started late, or was
+    restarted before its first checkpoint) hit that and drifted from the other groups."""
+    if optimizer.state:
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
 
 class BlobState:
