@@ -8,6 +8,7 @@ loader inside, whose position is the one checkpointed and resumed."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from titan_core import DataSpec
@@ -44,8 +45,27 @@ class StallingLoader(WrappedLoader):
     def __iter__(self):
         for i, batch in enumerate(self.inner):
             if self.rank == int(os.environ["STALL_RANK"]) and i == int(os.environ["STALL_AT"]):
-                time.sleep(float(os.environ["STALL_SECONDS"]))
+                _stall(float(os.environ["STALL_SECONDS"]))
             yield batch
+
+
+def _stall(seconds: float) -> None:
+    """Sleep `seconds`; a SIGTERM meanwhile (torchrun stopping the ranks once another failed)
+    runs the trainer's handler, which writes this rank's flight-recorder trace, and then ends
+    the process, as torchrun's SIGKILL would 30 s later (a trainer defers a SIGTERM to the end
+    of its step, which a stuck reader never reaches)."""
+    trainers = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum, frame):
+        if callable(trainers):
+            trainers(signum, frame)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.signal(signal.SIGTERM, trainers)
 
 
 data_spec = StallingLoader.spec("stall")

@@ -44,6 +44,8 @@ def test_a_stalled_rank_ends_the_job_within_the_training_timeout(tmp_path):
             "5",
             "--comm.trace_buf_size",
             "50",
+            "--metrics.save_plots_folder",  # seconds of matplotlib on the failing rank
+            "",
         ],
         nproc=2,
         timeout=300,

@@ -305,9 +305,9 @@ def test_each_simulation_runs_in_a_fresh_process_forked_from_one_importing_serve
     import multiprocessing
     import os
 
-    from titan_trainer.dry_run.simulate import _fresh_processes
+    from titan_trainer.dry_run.simulate import fresh_processes
 
-    context = _fresh_processes()
+    context = fresh_processes()
     probes = []
     for leave in (True, False):
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:

@@ -6,6 +6,7 @@ applies or saves a NaN step, and bad data or folders stop the run at start-up in
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import signal
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 
 from titan_ckpt import checkpoint_problems, load_consolidated
 from titan_ckpt.cli import main as titan_ckpt
@@ -77,6 +77,15 @@ class Background:
             self.file.close()
 
 
+def _in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`titan-train ARGS` in this process, as a finished command (exit code, stdout, stderr):
+    the module fixture cannot use capsys, and a new process would import torch again."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = titan_train(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     """A run with `last_save_model_only` and `last_save_in_hf` (torchtitan's 8B settings),
@@ -107,14 +116,18 @@ def preempted(tmp_path_factory):
     first = Background([*args, "--training.steps", "500"], tmp / "first.log")
     try:
         first.wait_for(r"step    2 \|")
-        second = run_cli([*args, "--training.steps", "500"], timeout=300)
+        # Paused (alive, its lock held) while the second run is refused: it would otherwise
+        # train on, for nothing, while the second run starts.
+        first.proc.send_signal(signal.SIGSTOP)
+        second = _in_process([*args, "--training.steps", "500"])
     finally:
+        first.proc.send_signal(signal.SIGCONT)
         code = first.stop(signal.SIGTERM)
     log = first.log.read_text()
     step = int(re.search(r"SIGTERM: saving a full checkpoint at step (\d+)", log).group(1))
     # Read before the resumed run prunes or replaces anything.
     record = read_commit(dump / "checkpoint" / f"step-{step}")
-    resumed = run_cli([*args, "--training.steps", str(step + 1)], timeout=600)
+    resumed = _in_process([*args, "--training.steps", str(step + 1)])
     return {
         "dump": dump,
         "first": first,

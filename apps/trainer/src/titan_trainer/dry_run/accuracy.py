@@ -9,6 +9,8 @@ tensors, the same memory tracker, plus the operating system's count (the residen
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
 import tempfile
@@ -21,7 +23,7 @@ import torch.multiprocessing as mp
 from titan_core import load_config
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.simulate import RoleResult, rank_roles, simulate_rank
+from titan_trainer.dry_run.simulate import RoleResult, fresh_processes, rank_roles, simulate_rank
 
 # Qwen3's debug mixture-of-experts model instead of Llama 3's debug model.
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
@@ -168,22 +170,22 @@ def measure_real(
     config: JobConfig, world_size: int, vocab_size: int, *, real_compile: bool = False
 ) -> dict[int, RoleResult]:
     """Every rank's measured step memory, from `world_size` real gloo processes (compiled
-    regions compiled for real with `real_compile`, see `measure_rank`)."""
+    regions compiled for real with `real_compile`, see `measure_rank`). The processes are
+    forked from the simulations' server, which has imported torch and the trainer already
+    (several seconds of CPU per rank saved)."""
     config.parallelism.build_parallel_dims(
         world_size
     )  # a bad layout fails here, not in the workers
-    # glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap,
-    # so the resident set would count memory no tensor holds; a fixed threshold returns large
-    # blocks at once and makes the resident set a fair second measurement.
+    # For spawned workers (no forkserver); forked ones set the same with mallopt (_worker).
     previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             mp.start_processes(
                 _worker,
                 args=(world_size, config, vocab_size, tmp, real_compile),
                 nprocs=world_size,
-                start_method="spawn",
+                start_method=fresh_processes().get_start_method(),
             )
             return {
                 rank: pickle.loads(Path(tmp, f"rank{rank}.pkl").read_bytes())
@@ -196,12 +198,28 @@ def measure_real(
             os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
 
 
+# glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap,
+# so the resident set would count memory no tensor holds; a fixed threshold returns large
+# blocks at once and makes the resident set a fair second measurement.
+_MMAP_THRESHOLD = 65536
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
+def _fix_mmap_threshold() -> None:
+    """The fixed threshold in a process that did not start with MALLOC_MMAP_THRESHOLD_ set
+    (forked from a server): glibc's mallopt, where there is one."""
+    # Not glibc: nothing to fix (the resident set is only the second measurement).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
 def _worker(
     rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp: str, real_compile: bool
 ) -> None:
     from titan_core import init_logging
     from titan_trainer.dry_run.simulate import measure_rank
 
+    _fix_mmap_threshold()
     init_logging(rank=rank)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(

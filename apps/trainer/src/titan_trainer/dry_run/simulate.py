@@ -127,13 +127,13 @@ def simulate_rank(
     Runs in a fresh process: torch caches decisions about meshes and process groups (DTensor's
     redistribution plans) that would leak from one simulated rank into the next.
     """
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=_fresh_processes()) as pool:
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=fresh_processes()) as pool:
         return pool.submit(
             _simulate_rank_here, config, world_size, rank, vocab_size, role, kernels
         ).result()
 
 
-def _fresh_processes() -> multiprocessing.context.BaseContext:
+def fresh_processes() -> multiprocessing.context.BaseContext:
     """Where each simulation runs: a new process forked from a server process that has
     imported torch and the trainer once (forkserver), so that a job's rank roles and the
     changes suggested for it pay that import once, not once each (several seconds each).
