@@ -44,6 +44,39 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--flavors", default="debugmodel,100M")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="training.mixed_precision_param (auto: bfloat16 where the device computes it)",
+    )
+    parser.add_argument(
+        "--variants",
+        default="default",
+        help="trainer flags per variant, ';' between variants; a variant with no flag is the"
+        " trainer's default path (its name may be a word: 'eager;--compile.enable')",
+    )
+    parser.add_argument("--synthetic-vocab", type=int, default=0)
+    parser.add_argument("--fsdp-one-device", action="store_true")
+    parser.add_argument("common", nargs="*", help="trainer flags for every variant (after --)")
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 
 from titan_core import init_distributed, load_config, peak_flops, resolve_device_type
@@ -214,33 +247,6 @@ def summarize(variant: Variant, args, device: torch.device, baseline: float | No
     return record
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--flavors", default="debugmodel,100M")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "auto"],
-        help="training.mixed_precision_param (auto: bfloat16 where the device computes it)",
-    )
-    parser.add_argument(
-        "--variants",
-        default="default",
-        help="trainer flags per variant, ';' between variants; a variant with no flag is the"
-        " trainer's default path (its name may be a word: 'eager;--compile.enable')",
-    )
-    parser.add_argument("--synthetic-vocab", type=int, default=0)
-    parser.add_argument("--fsdp-one-device", action="store_true")
-    parser.add_argument("common", nargs="*", help="trainer flags for every variant (after --)")
-    return parser.parse_args(argv)
-
-
 def variants_from(text: str) -> list[Variant]:
     out = []
     for part in text.split(";"):
@@ -250,8 +256,7 @@ def variants_from(text: str) -> list[Variant]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     info = init_distributed(resolve_device_type("auto"))
     try:
         for flavor in args.flavors.split(","):
@@ -278,4 +283,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

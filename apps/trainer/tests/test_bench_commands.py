@@ -118,9 +118,14 @@ def test_bench_gpu_refuses_a_part_the_dry_run_says_does_not_fit(tmp_path):
     assert end == {"kind": "targets", "targets": []}
 
 
+BENCH_SCRIPTS = sorted((REPO / "bench").glob("*.py"))
+# A line of `python -X importtime` (PYTHONPROFILEIMPORTTIME) for the import of torch itself.
+TORCH_IMPORT = re.compile(r"^import time:.*\|\s+torch$", re.M)
+
+
 def test_nox_bench_runs_every_cpu_script(tmp_path):
     # `--` passes `--help` on to each script: every one is reached and parses its flags, without
-    # the minutes the measurements themselves take.
+    # the minutes the measurements themselves take, and answers before it imports torch.
     done = subprocess.run(
         [
             sys.executable,
@@ -137,12 +142,27 @@ def test_nox_bench_runs_every_cpu_script(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
     )
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-3000:]
-    scripts = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name != "gpu.py")
+    scripts = [p.name for p in BENCH_SCRIPTS if p.name != "gpu.py"]
     usages = re.findall(r"usage: (\S+\.py)", said)
     assert sorted(usages) == scripts, usages
+    assert not TORCH_IMPORT.search(said), "a script imported torch before answering --help"
+
+
+def test_every_bench_script_refuses_a_bad_flag_before_importing_torch():
+    for script in BENCH_SCRIPTS:
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", str(script), "--no-such-flag"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, (script.name, done.stderr[-2000:])
+        assert "error: unrecognized arguments: --no-such-flag" in done.stderr, done.stderr[-2000:]
+        assert not TORCH_IMPORT.search(done.stderr), f"{script.name} imported torch first"
 
 
 TOY = ["--seq-len", "64", "--batch-size", "2", "--steps", "2", "--warmup", "1"]
