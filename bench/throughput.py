@@ -35,6 +35,7 @@ autocast, as a multi-GPU job computes).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -143,7 +144,7 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
     runtime.init_weights(parts)
     variant.params = sum(p.numel() for part in parts for p in part.parameters())
     variant.flops_per_token = runtime.flops_per_token
-    variant.peak = peak_flops(info.device, dtype, override_tflops=config.metrics.peak_tflops).flops
+    variant.peak = measured_peak(info.device, dtype, config.metrics.peak_tflops).flops
     optimizer = build_optimizer(
         parts, config.optimizer, total_steps=config.training.steps, dims=dims
     )
@@ -184,6 +185,14 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
 
     variant.step = step
     variant.host_syncs = 0 if guard.on_device else 1  # per step, besides the logging read
+
+
+@functools.cache
+def measured_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None):
+    """The peak MFU is taken against, measured once per device and dtype (on a CPU, half a
+    second of matmuls or more): every variant and flavor of a run shares one denominator, so
+    their MFUs compare as their step times do."""
+    return peak_flops(device, dtype, override_tflops=override_tflops)
 
 
 def _metrics(row, optimizer) -> dict[str, float]:
