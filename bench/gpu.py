@@ -93,8 +93,8 @@ SMOKE_SECONDS = 600
 
 def throughput_flags(smoke: bool, batch: int) -> list[str]:
     if smoke:
-        return ["--flavors", "debugmodel", "--seq-len", "64", "--batch-size", str(batch),
-                "--steps", "2", "--warmup", "1", "--synthetic-vocab", "512",
+        return ["--flavors", "debugmodel", "--seq-len", "16", "--batch-size", str(batch),
+                "--steps", "2", "--warmup", "0", "--synthetic-vocab", "512",
                 "--fsdp-one-device"]  # fmt: skip
     return ["--flavors", "1B", "--synthetic-vocab", "128256", "--dtype", "bfloat16",
             "--seq-len", "4096", "--batch-size", str(batch), "--steps", "6", "--warmup", "2",
@@ -103,7 +103,7 @@ def throughput_flags(smoke: bool, batch: int) -> list[str]:
 
 def dry_run_args(smoke: bool, batch: int) -> tuple[list[str], int]:
     """Trainer flags describing what a throughput part builds, and its vocabulary."""
-    flavor, seq, dtype, vocab = ("debugmodel", 64, "float32", 512) if smoke else (
+    flavor, seq, dtype, vocab = ("debugmodel", 16, "float32", 512) if smoke else (
         "1B", 4096, "bfloat16", 128256
     )  # fmt: skip
     flags = ["--model.flavor", flavor, "--training.seq_len", str(seq),
