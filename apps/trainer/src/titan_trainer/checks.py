@@ -192,6 +192,16 @@ MOE_BALANCE_KEYS = (
 )
 
 
+def _flavor_moe(config: JobConfig) -> tuple[bool, object | None]:
+    """Whether the config's model and flavor are installed, and the flavor's MoE arguments
+    (None for a dense flavor)."""
+    try:
+        args = resolve(plugins.MODELS, config.model.name).flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return False, None
+    return True, getattr(args, "moe", None)
+
+
 def _balance_problems(config: JobConfig) -> list[str]:
     """The MoE balancing keys on a flavor without experts would do nothing, and some do not
     go together (Sinkhorn selection and the expert bias): say so."""
@@ -199,12 +209,11 @@ def _balance_problems(config: JobConfig) -> list[str]:
     keys = [k for k in MOE_BALANCE_KEYS if getattr(m, k) is not None]
     if not keys:
         return []
-    try:
-        args = resolve(plugins.MODELS, m.name).flavors[m.flavor]
-    except (PluginError, KeyError):
+    found, moe = _flavor_moe(config)
+    if not found:
         return []  # reported as such by the checks above
-    if getattr(args, "moe", None) is not None:
-        moe = moe_balance_for(args.moe, config)
+    if moe is not None:
+        moe = moe_balance_for(moe, config)
         if moe.router_selection == "sinkhorn" and moe.load_balance_coeff is not None:
             return [
                 f"[model] moe_router_selection = 'sinkhorn' with {m.name} {m.flavor}'s expert"
@@ -224,12 +233,8 @@ def _hf_export_problems(config: JobConfig) -> list[str]:
     m = config.model
     if not config.checkpoint.last_save_in_hf:
         return []
-    try:
-        args = resolve(plugins.MODELS, m.name).flavors[m.flavor]
-    except (PluginError, KeyError):
-        return []  # reported as such by the checks above
-    moe = getattr(args, "moe", None)
-    if moe is None or not moe_balance_for(moe, config).router_centering:
+    found, moe = _flavor_moe(config)
+    if not found or moe is None or not moe_balance_for(moe, config).router_centering:
         return []
     return [
         f"[checkpoint] last_save_in_hf with {m.name} {m.flavor}'s router centering"
