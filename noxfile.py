@@ -17,6 +17,7 @@ real wheels and install them into a clean venv, the way a user gets them from an
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -278,6 +279,10 @@ def packaging(session: nox.Session) -> None:
 COMPAT_PYTHONS = ("3.11", "3.13")
 
 
+# Cached: the compat sessions below are defined for every library and torch end (24 of them),
+# and each probe starts an interpreter, which every `nox` command paid for each one (36
+# starts, 7 s on a loaded 2-core machine) before running any session.
+@functools.cache
 def _interpreter(version: str) -> str:
     """An interpreter for `version`: pythonX.Y on PATH, else one that pyenv installed without
     activating it (uv does not look there); else the version, for uv to look up itself."""
@@ -341,15 +346,12 @@ def bench(session: nox.Session) -> None:
     for script in sorted((ROOT / "bench").glob("*.py")):
         if script.name == "gpu.py":  # its own session, bench-gpu
             continue
+        # The workspace's interpreter (nox's own: `uv run nox`): `uv run` would check the
+        # workspace's sync once per script again.
         session.run(
-            "uv",
-            "run",
-            "--frozen",
-            "python",
-            str(script),
-            *session.posargs,
-            env={"PYTHONUNBUFFERED": "1", **os.environ},
-        )
+            sys.executable, str(script), *session.posargs,
+            env={"PYTHONUNBUFFERED": "1", **os.environ}, external=True,
+        )  # fmt: skip
 
 
 @nox.session(name="bench-gpu", venv_backend="none")

@@ -21,6 +21,24 @@ import os
 import statistics
 import time
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--chunks", default="0,1024,256", help="chunk sizes; 0: whole batch")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 import torch.nn.functional as F
 
@@ -59,16 +77,7 @@ def _peak(hidden, weight, labels, chunk: int) -> int:
     return tracker.peak().total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--chunks", default="0,1024,256", help="chunk sizes; 0: whole batch")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     chunks = [int(c) for c in args.chunks.split(",")]
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -108,4 +117,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -24,6 +24,32 @@ import tempfile
 import time
 from pathlib import Path
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--mb",
+        default="200",
+        help="model size in MB, or several separated by commas (each measured in turn); the"
+        " checkpoint is 3x with AdamW",
+    )
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument(
+        "--interval", type=int, default=5, help="steps between saves (long enough for a write)"
+    )
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument(
+        "--only", choices=["checksums"], default=None, help="run only the checksum comparison"
+    )
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -251,24 +277,7 @@ def async_rows(mode: str, asyn: list[dict], interval: int, sync_s: float, step_s
     return [{**row, "async_mode": mode} for row in rows]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--mb",
-        default="200",
-        help="model size in MB, or several separated by commas (each measured in turn); the"
-        " checkpoint is 3x with AdamW",
-    )
-    parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument(
-        "--interval", type=int, default=5, help="steps between saves (long enough for a write)"
-    )
-    parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument(
-        "--only", choices=["checksums"], default=None, help="run only the checksum comparison"
-    )
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     for megabytes in (int(mb) for mb in args.mb.split(",")):
         measure(megabytes, args)
 
@@ -330,4 +339,4 @@ def measure(megabytes: int, args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -22,6 +22,23 @@ import os
 import tempfile
 import time
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--workers", default="0,1,2", help="worker counts to run each path with")
+    parser.add_argument("--tokenizer", default="llama3")
+    parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the files")
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -85,15 +102,7 @@ def bench(path: str, dataset: str, tokenizer, name: str, workers: int, args) -> 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--workers", default="0,1,2", help="worker counts to run each path with")
-    parser.add_argument("--tokenizer", default="llama3")
-    parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the files")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -136,4 +145,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -19,6 +19,26 @@ import argparse
 import json
 import time
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=16384, help="M: tokens per forward")
+    parser.add_argument("--recipes", default="tensorwise,rowwise")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,18 +168,7 @@ def bench_model(recipe: str, args) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tokens", type=int, default=16384, help="M: tokens per forward")
-    parser.add_argument("--recipes", default="tensorwise,rowwise")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--seq-len", type=int, default=2048)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
 
     if not torch.cuda.is_available():
         emit(
@@ -185,4 +194,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

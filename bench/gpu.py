@@ -44,6 +44,33 @@ import sys
 import time
 from pathlib import Path
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="bench-gpu.jsonl", help="the JSON-lines file to write")
+    parser.add_argument(
+        "--smoke", action="store_true", help="toy sizes on any device: checks the commands only"
+    )
+    parser.add_argument(
+        "--memory-gib", type=float, default=None, help="the GPU's memory (default: CUDA's count)"
+    )
+    parser.add_argument(
+        "--fit-fraction",
+        type=float,
+        default=0.85,
+        help="a part runs when the dry run predicts at most this fraction of the memory",
+    )
+    parser.add_argument("--only", default=None, help="run only these parts (comma-separated names)")
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 
 BENCH = Path(__file__).resolve().parent
@@ -66,8 +93,8 @@ SMOKE_SECONDS = 600
 
 def throughput_flags(smoke: bool, batch: int) -> list[str]:
     if smoke:
-        return ["--flavors", "debugmodel", "--seq-len", "64", "--batch-size", str(batch),
-                "--steps", "2", "--warmup", "1", "--synthetic-vocab", "512",
+        return ["--flavors", "debugmodel", "--seq-len", "16", "--batch-size", str(batch),
+                "--steps", "2", "--warmup", "0", "--synthetic-vocab", "512",
                 "--fsdp-one-device"]  # fmt: skip
     return ["--flavors", "1B", "--synthetic-vocab", "128256", "--dtype", "bfloat16",
             "--seq-len", "4096", "--batch-size", str(batch), "--steps", "6", "--warmup", "2",
@@ -76,7 +103,7 @@ def throughput_flags(smoke: bool, batch: int) -> list[str]:
 
 def dry_run_args(smoke: bool, batch: int) -> tuple[list[str], int]:
     """Trainer flags describing what a throughput part builds, and its vocabulary."""
-    flavor, seq, dtype, vocab = ("debugmodel", 64, "float32", 512) if smoke else (
+    flavor, seq, dtype, vocab = ("debugmodel", 16, "float32", 512) if smoke else (
         "1B", 4096, "bfloat16", 128256
     )  # fmt: skip
     flags = ["--model.flavor", flavor, "--training.seq_len", str(seq),
@@ -229,25 +256,7 @@ def append(path: Path, line: dict) -> None:
         os.fsync(f.fileno())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", default="bench-gpu.jsonl", help="the JSON-lines file to write")
-    parser.add_argument(
-        "--smoke", action="store_true", help="toy sizes on any device: checks the commands only"
-    )
-    parser.add_argument(
-        "--memory-gib", type=float, default=None, help="the GPU's memory (default: CUDA's count)"
-    )
-    parser.add_argument(
-        "--fit-fraction",
-        type=float,
-        default=0.85,
-        help="a part runs when the dry run predicts at most this fraction of the memory",
-    )
-    parser.add_argument("--only", default=None, help="run only these parts (comma-separated names)")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus and not args.smoke:
         print(
@@ -297,4 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

@@ -28,11 +28,6 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from titan_core import load_config
-from titan_trainer.config import JobConfig
-from titan_trainer.shipped import find_config_file
-from titan_trainer.train import train
-
 VARIANTS: dict[str, list[str]] = {
     "mixed": ["--training.dtype", "float32"],
     "bf16": ["--training.dtype", "bfloat16"],
@@ -44,6 +39,32 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 _STEP = re.compile(r"step\s+(\d+) \| loss ([\d.]+) .*\| ([\d.]+) s/step")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--variants", default="mixed;bf16;bf16_ranger21;offload")
+    parser.add_argument("--every", type=int, default=25, help="record the loss every N steps")
+    parser.add_argument("--tail", type=int, default=20, help="mean loss over the last N steps")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.variants.split(";") if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
+from titan_core import load_config
+from titan_trainer.config import JobConfig
+from titan_trainer.shipped import find_config_file
+from titan_trainer.train import train
 
 
 def run(variant: str, args: argparse.Namespace, folder: Path) -> dict:
@@ -76,19 +97,8 @@ def run(variant: str, args: argparse.Namespace, folder: Path) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--variants", default="mixed;bf16;bf16_ranger21;offload")
-    parser.add_argument("--every", type=int, default=25, help="record the loss every N steps")
-    parser.add_argument("--tail", type=int, default=20, help="mean loss over the last N steps")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     names = args.variants.split(";")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     reference = None
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -105,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

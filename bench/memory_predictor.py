@@ -19,13 +19,12 @@ import argparse
 import json
 import time
 
-from titan_core import plugins, resolve
-from titan_trainer.dry_run.accuracy import LAYOUTS, compare_layout, layout_config
 
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layout names")
+    parser.add_argument(
+        "--layouts", default=None, help="comma-separated layout names (default: every layout)"
+    )
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument(
@@ -33,7 +32,20 @@ def main() -> None:
         action="store_true",
         help="compiled layouts: also the resident set of a real inductor compile",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
+from titan_core import plugins, resolve
+from titan_trainer.dry_run.accuracy import LAYOUTS, compare_layout, layout_config
+
+
+def main(args: argparse.Namespace) -> None:
+    args.layouts = args.layouts or ",".join(LAYOUTS)
     vocab = resolve(plugins.DATA, "titan").build_tokenizer("byte").vocab_size
     errors, rss_errors, compiled_errors = [], [], []
     for name in args.layouts.split(","):
@@ -61,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -20,31 +20,43 @@ import json
 import statistics
 import time
 
+# Each shape: the model width and the MoE layer's arguments (titan_models.moe.MoEArgs).
+SHAPES = {
+    "small": (256, dict(num_experts=16, top_k=2, hidden_dim=512)),
+    "qwen3-30b-a3b": (2048, dict(num_experts=128, top_k=8, hidden_dim=768, route_norm=True)),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--ep", type=int, default=2, help="processes for the exchange; 1: skip it")
+    return ap.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 
 from titan_models.moe import MoE, MoEArgs
-
-SHAPES = {
-    "small": (256, MoEArgs(num_experts=16, top_k=2, hidden_dim=512)),
-    "qwen3-30b-a3b": (2048, MoEArgs(num_experts=128, top_k=8, hidden_dim=768, route_norm=True)),
-}
 
 
 def emit(**record) -> None:
     print(json.dumps({"bench": "moe", **record}), flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="small", choices=sorted(SHAPES))
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--ep", type=int, default=2, help="processes for the exchange; 1: skip it")
-    a = ap.parse_args()
+def main(a: argparse.Namespace) -> None:
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    dim, args = SHAPES[a.shape]
+    dim, moe_args = SHAPES[a.shape]
+    args = MoEArgs(**moe_args)
     torch.manual_seed(0)
     layers = {}
     for grouped in (True, False):
@@ -156,4 +168,4 @@ def _exchange_worker(rank: int, a, dim: int, args: MoEArgs, tmp: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -19,6 +19,22 @@ import json
 import statistics
 import time
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flavor", default="100M")
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
+    ap.add_argument("--only", nargs="*", help="names of the optimizers to time (default: all)")
+    return ap.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 import torch
 
 from titan_models.llama3 import llama3_spec
@@ -62,15 +78,8 @@ def muon(names: list[str], ns_dtype: torch.dtype):
     return make
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--flavor", default="100M")
-    ap.add_argument("--vocab-size", type=int, default=2048)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--only", nargs="*", help="names of the optimizers to time (default: all)")
-    a = ap.parse_args()
-    device = torch.device(a.device)
+def main(a: argparse.Namespace) -> None:
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     named = build_params(a.flavor, a.vocab_size, device)
     names, params = [n for n, _ in named], [p for _, p in named]
     n = sum(p.numel() for p in params)
@@ -127,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

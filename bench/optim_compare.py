@@ -19,6 +19,26 @@ import re
 import tempfile
 from pathlib import Path
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--out", default="apps/trainer/docs")
+    ap.add_argument("--flavor", default="debugmodel", help="model flavor (debugmodel, 100M, ...)")
+    ap.add_argument("--variants", nargs="*", help="names of the variants to run (default: all)")
+    ap.add_argument("--stem", default="optimizer_comparison", help="file name of the table/plot")
+    return ap.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
+
 from titan_core import init_logging, load_config
 from titan_parallel.ranger21 import COMPONENTS
 from titan_trainer.config import JobConfig
@@ -61,18 +81,7 @@ def variants() -> dict[str, list[str]]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--every", type=int, default=20)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--out", default="apps/trainer/docs")
-    ap.add_argument("--flavor", default="debugmodel", help="model flavor (debugmodel, 100M, ...)")
-    ap.add_argument("--variants", nargs="*", help="names of the variants to run (default: all)")
-    ap.add_argument("--stem", default="optimizer_comparison", help="file name of the table/plot")
-    a = ap.parse_args()
+def main(a: argparse.Namespace) -> None:
     init_logging()
     handler = _ValidationLosses()
     logging.getLogger().addHandler(handler)
@@ -82,7 +91,11 @@ def main() -> None:
     chosen = variants()
     unknown = set(a.variants or ()) - set(chosen)
     if unknown:
-        ap.error(f"unknown variants {sorted(unknown)}; choose from {list(chosen)}")
+        # Checked here, not by the parser: the names come from titan_parallel (torch).
+        raise SystemExit(
+            f"optim_compare.py: error: unknown variants {sorted(unknown)}; choose from"
+            f" {list(chosen)}"
+        )
     for name, extra in chosen.items():
         if a.variants and name not in a.variants:
             continue
@@ -158,4 +171,4 @@ def write_docs(results: dict, a, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

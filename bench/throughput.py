@@ -35,6 +35,7 @@ autocast, as a multi-GPU job computes).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -43,6 +44,39 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--flavors", default="debugmodel,100M")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "auto"],
+        help="training.mixed_precision_param (auto: bfloat16 where the device computes it)",
+    )
+    parser.add_argument(
+        "--variants",
+        default="default",
+        help="trainer flags per variant, ';' between variants; a variant with no flag is the"
+        " trainer's default path (its name may be a word: 'eager;--compile.enable')",
+    )
+    parser.add_argument("--synthetic-vocab", type=int, default=0)
+    parser.add_argument("--fsdp-one-device", action="store_true")
+    parser.add_argument("common", nargs="*", help="trainer flags for every variant (after --)")
+    return parser.parse_args(argv)
+
+
+# The flags are read before the imports below load torch (seconds): `--help` and a bad flag
+# answer at once.
+if __name__ == "__main__":
+    ARGS = parse_args()
 
 import torch
 
@@ -110,7 +144,7 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
     runtime.init_weights(parts)
     variant.params = sum(p.numel() for part in parts for p in part.parameters())
     variant.flops_per_token = runtime.flops_per_token
-    variant.peak = peak_flops(info.device, dtype, override_tflops=config.metrics.peak_tflops).flops
+    variant.peak = measured_peak(info.device, dtype, config.metrics.peak_tflops).flops
     optimizer = build_optimizer(
         parts, config.optimizer, total_steps=config.training.steps, dims=dims
     )
@@ -151,6 +185,14 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
 
     variant.step = step
     variant.host_syncs = 0 if guard.on_device else 1  # per step, besides the logging read
+
+
+@functools.cache
+def measured_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None):
+    """The peak MFU is taken against, measured once per device and dtype (on a CPU, half a
+    second of matmuls or more): every variant and flavor of a run shares one denominator, so
+    their MFUs compare as their step times do."""
+    return peak_flops(device, dtype, override_tflops=override_tflops)
 
 
 def _metrics(row, optimizer) -> dict[str, float]:
@@ -214,33 +256,6 @@ def summarize(variant: Variant, args, device: torch.device, baseline: float | No
     return record
 
 
-def parse_args(argv: list[str] | None = None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--flavors", default="debugmodel,100M")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "auto"],
-        help="training.mixed_precision_param (auto: bfloat16 where the device computes it)",
-    )
-    parser.add_argument(
-        "--variants",
-        default="default",
-        help="trainer flags per variant, ';' between variants; a variant with no flag is the"
-        " trainer's default path (its name may be a word: 'eager;--compile.enable')",
-    )
-    parser.add_argument("--synthetic-vocab", type=int, default=0)
-    parser.add_argument("--fsdp-one-device", action="store_true")
-    parser.add_argument("common", nargs="*", help="trainer flags for every variant (after --)")
-    return parser.parse_args(argv)
-
-
 def variants_from(text: str) -> list[Variant]:
     out = []
     for part in text.split(";"):
@@ -250,8 +265,7 @@ def variants_from(text: str) -> list[Variant]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     info = init_distributed(resolve_device_type("auto"))
     try:
         for flavor in args.flavors.split(","):
@@ -278,4 +292,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)
