@@ -13,7 +13,10 @@ their reference's balancing; neither the auxiliary loss nor the expert bias at a
 nor Sinkhorn selection, does alone (trainer README, "Mixture of experts").
 
 Shortened only in the batch (4 sequences of 128 tokens, 512 tokens per step: the collapse
-still happens at this size within 10 steps). The six runs share the machine, one process each.
+still happens at this size within 10 steps). The runs without balancing take 30 steps, not 50:
+they collapse by step 10 (at 4.00 or more, from step 7 on one machine) and the 20-step warning
+comes at steps 19-22, so steps 20-30 and the warning show it as 50 steps did. The six runs
+share the machine, one process each.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from conftest import TRAINER, parse_losses, start_cli
 
 CONFIGS = ("qwen3_moe_debug", "deepseek_v3_debug", "llama4_debug")
 STEPS = 50
+OFF_STEPS = 30  # the runs without balancing: collapsed and warned about by then (docstring)
 FROM_STEP = 20
 BOUND = 1.5
 OFF = ["--model.moe_aux_loss_alpha", "0", "--model.moe_load_balance_coeff", "0",
@@ -39,11 +43,11 @@ LOAD = re.compile(r"step +(\d+) \|.*experts max/mean [\d.]+ \(([\d. ]+)\)")
 REROUTED = re.compile(r"step +(\d+) \|.*\| re-routed (\d+)%")
 
 
-def _args(config: str, folder) -> list[str]:
+def _args(config: str, folder, steps: int) -> list[str]:
     return ["--job.config_file", str(TRAINER / "configs" / f"{config}.toml"),
             "--job.dump_folder", str(folder), "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--metrics.save_plots_folder", "",
-            "--training.steps", str(STEPS), "--training.seq_len", "128",
+            "--training.steps", str(steps), "--training.seq_len", "128",
             "--training.local_batch_size", "4"]  # fmt: skip
 
 
@@ -57,7 +61,8 @@ def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("balance")
     started = {
         (config, balanced): start_cli(
-            _args(config, tmp / f"{config}_{balanced}") + ([] if balanced else OFF),
+            _args(config, tmp / f"{config}_{balanced}", STEPS if balanced else OFF_STEPS)
+            + ([] if balanced else OFF),
             env_extra={"OMP_NUM_THREADS": "1"},
         )
         for config in CONFIGS
@@ -93,6 +98,7 @@ def test_every_moe_layer_stays_balanced_from_step_20(runs, config):
 def test_without_balancing_the_same_run_collapses_and_is_warned_about(runs, config):
     out = runs[config, False]
     loads = per_layer_loads(out)
+    assert sorted(loads) == list(range(1, OFF_STEPS + 1)), sorted(loads)
     late = [max(layers) for step, layers in loads.items() if step >= FROM_STEP]
     # Collapsed: the busiest expert of the worst layer holds at least twice its share on most
     # late steps (balanced runs stay under 1.5 on every one).
