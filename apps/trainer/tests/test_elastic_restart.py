@@ -10,10 +10,9 @@ import shlex
 import signal
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from conftest import TRAINER, parse_losses
+from conftest import TRAINER, parse_losses, start_cli
 
 REPO = TRAINER.parents[1]
 KILLED_RANK, KILLED_AT = 1, 8  # rank 1 dies fetching the batch of step 8 (first attempt only)
@@ -68,15 +67,17 @@ def test_a_killed_rank_is_restarted_and_the_job_ends_as_if_nothing_failed(tmp_pa
     interval = int(words[words.index("--checkpoint.interval") + 1])
     assert interval < KILLED_AT <= steps  # a checkpoint exists before the kill, steps after it
 
-    # The two jobs side by side (each is two one-thread ranks; much of a job is start-up).
+    # The two jobs side by side (each is two one-thread ranks; much of a job is start-up). The
+    # uninterrupted reference, the README command's arguments on as many ranks, runs through
+    # torchrun alone: run_train.sh would start one more process to check the config first.
     crash = {"CRASH_RANK": str(KILLED_RANK), "CRASH_AT": str(KILLED_AT)}
-    with ThreadPoolExecutor(1) as pool:
-        whole_job = pool.submit(_run, words, {**env, "MAX_RESTARTS": "0"}, tmp_path,
-                                [*small, "--job.dump_folder", str(tmp_path / "whole")])  # fmt: skip
-        elastic = _run(words, {**env, **crash}, tmp_path,
-                       [*small, "--job.dump_folder", str(tmp_path / "elastic"),
-                        "--training.data_plugin", "crash_data:data_spec"])  # fmt: skip
-        whole = whole_job.result()
+    reference = ["--job.config_file", env.get("CONFIG_FILE", "debug_model"), *words[1:],
+                 *small, "--job.dump_folder", str(tmp_path / "whole")]  # fmt: skip
+    whole_job = start_cli(reference, nproc=int(env["NGPU"]), env_extra={"OMP_NUM_THREADS": "1"})
+    elastic = _run(words, {**env, **crash}, tmp_path,
+                   [*small, "--job.dump_folder", str(tmp_path / "elastic"),
+                    "--training.data_plugin", "crash_data:data_spec"])  # fmt: skip
+    whole = whole_job.result(300)
     assert whole.returncode == 0, whole.stderr[-3000:]
     out = elastic.stdout + elastic.stderr
     assert elastic.returncode == 0, out[-4000:]
