@@ -14,7 +14,7 @@ import sys
 from titan_core import ConfigError, device_memory_gib, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.simulate import Simulation, simulate
+from titan_trainer.dry_run.simulate import Simulation, fork_simulations_from_here, simulate
 from titan_trainer.layout import layout_text
 from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
 from titan_trainer.preflight import preflight_problems
@@ -174,6 +174,9 @@ def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -
 
 
 def main_dry_run(config: JobConfig) -> int:
+    """`titan-train --dry-run`: this process has only loaded the config, so the simulations
+    fork from it (see `fork_simulations_from_here`)."""
+    fork_simulations_from_here()
     status = dry_run(config, out=lambda text: print(text, flush=True))
     sys.stdout.flush()
     return status
