@@ -330,11 +330,16 @@ def test_the_dry_run_command_forks_its_simulations_from_itself(monkeypatch):
     # The modules (the package exports functions of the same names).
     report = importlib.import_module("titan_trainer.dry_run.report")
     simulate = importlib.import_module("titan_trainer.dry_run.simulate")
+    from titan_trainer import cli
+
     declared = []
     monkeypatch.setattr(simulate, "_FORK_FROM_HERE", [False])  # this process's choice, restored
     monkeypatch.setattr(report, "fork_simulations_from_here", lambda: declared.append(True))
     monkeypatch.setattr(report, "dry_run", lambda config, out: 0)
-    assert report.main_dry_run(None) == 0 and declared == [True]  # the command declares it
+    monkeypatch.setattr(sys, "argv", ["titan-train", "--dry-run"])
+    assert cli.main() == 0 and declared == [True]  # the command declares it
+    # Called with its arguments from a process where anything may have run: not declared.
+    assert cli.main(["--dry-run"]) == 0 and declared == [True]
 
     simulate.fork_simulations_from_here()
     probes = []

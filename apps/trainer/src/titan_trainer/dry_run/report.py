@@ -173,10 +173,13 @@ def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -
     return problems
 
 
-def main_dry_run(config: JobConfig) -> int:
-    """`titan-train --dry-run`: this process has only loaded the config, so the simulations
-    fork from it (see `fork_simulations_from_here`)."""
-    fork_simulations_from_here()
+def main_dry_run(config: JobConfig, *, own_process: bool = False) -> int:
+    """`titan-train --dry-run`. `own_process`: this process is the command's own and has only
+    loaded the config, so the simulations fork from it (see `fork_simulations_from_here`); a
+    caller in a process where more has run (autograd's threads, a process group) leaves it
+    off."""
+    if own_process:
+        fork_simulations_from_here()
     status = dry_run(config, out=lambda text: print(text, flush=True))
     sys.stdout.flush()
     return status
