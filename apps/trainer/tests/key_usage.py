@@ -2,9 +2,9 @@
 
 Every section of the loaded config is given a subclass that records each field read. Recording
 starts after loading and checking (validation reads keys that may do nothing), then covers
-five runs in this process: a short training run with every optional feature on, a resume of
-it from an initial checkpoint, a step of Ranger21 with bfloat16 states, a step of Muon with
-parameter groups, and a dry run with suggestions."""
+five runs in this process: a dry run with suggestions, a short training run with every
+optional feature on, a resume of it from an initial checkpoint, a step of Ranger21 with
+bfloat16 states, and a step of Muon with parameter groups."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def main(out: str, work: str) -> None:
     from titan_trainer import window as window_module
     from titan_trainer.config import JobConfig
     from titan_trainer.dry_run import dry_run
+    from titan_trainer.dry_run.simulate import fork_simulations_from_here
     from titan_trainer.preflight import preflight_problems
     from titan_trainer.shipped import find_config_file
     from titan_trainer.train import train
@@ -200,12 +201,6 @@ def main(out: str, work: str) -> None:
             "false",
         ],
     ]
-    for args in runs:
-        config = load_config(JobConfig, args, find_config_file=find_config_file)
-        problems, _, _ = preflight_problems(config, 1)
-        assert not problems, problems
-        track(config)
-        train(config)
     config = load_config(
         JobConfig,
         [
@@ -225,7 +220,16 @@ def main(out: str, work: str) -> None:
         find_config_file=find_config_file,
     )
     track(config)
+    # First, while nothing has run in this process: its simulation forks from here, as
+    # `titan-train --dry-run`'s does (a server process would import torch a second time).
+    fork_simulations_from_here()
     dry_run(config, out=lambda text: None)
+    for args in runs:
+        config = load_config(JobConfig, args, find_config_file=find_config_file)
+        problems, _, _ = preflight_problems(config, 1)
+        assert not problems, problems
+        track(config)
+        train(config)
     with open(out, "w") as f:
         json.dump(sorted(READ), f)
 

@@ -317,3 +317,38 @@ def test_each_simulation_runs_in_a_fresh_process_forked_from_one_importing_serve
     if "forkserver" in multiprocessing.get_all_start_methods():
         # Both forked by the one server that imported torch and the trainer, not by us.
         assert parent1 == parent2 != os.getpid(), (probes, os.getpid())
+
+
+def test_the_dry_run_command_forks_its_simulations_from_itself(monkeypatch):
+    """`titan-train --dry-run` has only loaded its config when it simulates: its simulations
+    fork from it (on Linux), not from a server that imports torch and the trainer again."""
+    import concurrent.futures
+    import importlib
+    import os
+    import sys
+
+    # The modules (the package exports functions of the same names).
+    report = importlib.import_module("titan_trainer.dry_run.report")
+    simulate = importlib.import_module("titan_trainer.dry_run.simulate")
+    from titan_trainer import cli
+
+    declared = []
+    monkeypatch.setattr(simulate, "_FORK_FROM_HERE", [False])  # this process's choice, restored
+    monkeypatch.setattr(report, "fork_simulations_from_here", lambda: declared.append(True))
+    monkeypatch.setattr(report, "dry_run", lambda config, out: 0)
+    monkeypatch.setattr(sys, "argv", ["titan-train", "--dry-run"])
+    assert cli.main() == 0 and declared == [True]  # the command declares it
+    # Called with its arguments from a process where anything may have run: not declared.
+    assert cli.main(["--dry-run"]) == 0 and declared == [True]
+
+    simulate.fork_simulations_from_here()
+    probes = []
+    for leave in (True, False):
+        with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=simulate.fresh_processes()
+        ) as pool:
+            probes.append(pool.submit(_probe_process, leave).result())
+    (pid1, parent1, found1), (pid2, parent2, found2) = probes
+    assert pid1 != pid2 and not found1 and not found2, probes  # nothing leaks into the next
+    if sys.platform == "linux":
+        assert parent1 == parent2 == os.getpid(), (probes, os.getpid())

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.comm.mode == "fake_backend":
         from titan_trainer.dry_run import main_dry_run
 
-        return main_dry_run(config)
+        # Run as the command (arguments from sys.argv), this process has only loaded the
+        # config; a caller passing its own arguments may have run anything before.
+        return main_dry_run(config, own_process=argv is None)
     from titan_trainer.logs import choose_console_ranks
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())

@@ -14,7 +14,7 @@ import sys
 from titan_core import ConfigError, device_memory_gib, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.simulate import Simulation, simulate
+from titan_trainer.dry_run.simulate import Simulation, fork_simulations_from_here, simulate
 from titan_trainer.layout import layout_text
 from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
 from titan_trainer.preflight import preflight_problems
@@ -173,7 +173,13 @@ def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -
     return problems
 
 
-def main_dry_run(config: JobConfig) -> int:
+def main_dry_run(config: JobConfig, *, own_process: bool = False) -> int:
+    """`titan-train --dry-run`. `own_process`: this process is the command's own and has only
+    loaded the config, so the simulations fork from it (see `fork_simulations_from_here`); a
+    caller in a process where more has run (autograd's threads, a process group) leaves it
+    off."""
+    if own_process:
+        fork_simulations_from_here()
     status = dry_run(config, out=lambda text: print(text, flush=True))
     sys.stdout.flush()
     return status

@@ -19,8 +19,10 @@ import concurrent.futures
 import contextlib
 import copy
 import gc
+import importlib
 import logging
 import multiprocessing
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,12 +140,33 @@ def fresh_processes() -> multiprocessing.context.BaseContext:
     imported torch and the trainer once (forkserver), so that a job's rank roles and the
     changes suggested for it pay that import once, not once each (several seconds each).
     Nothing has run in the server, so each simulation starts as fresh as a spawned one.
-    Spawned where forkserver does not exist (Windows)."""
+    Forked from this process itself once it has declared itself as fresh as that server
+    (`fork_simulations_from_here`); spawned where forkserver does not exist (Windows)."""
+    if _FORK_FROM_HERE[0]:
+        return multiprocessing.get_context("fork")
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)  # no effect once the server has started
     return context
+
+
+_FORK_FROM_HERE = [False]
+
+
+def fork_simulations_from_here() -> None:
+    """Fork each simulation from this process instead of from a server process: for a process
+    in which nothing has run yet (`titan-train --dry-run`: the config loaded and checked, no
+    process group, no tensor computed, nothing compiled), a fork starts as fresh as the
+    server's, without importing torch and the trainer a second time (several seconds of CPU
+    per dry run). Linux only (elsewhere forking a process that has imported torch is not
+    safe); a no-op there. Call it only where nothing that leaves state in torch will run
+    before the simulations (a process group, a compile, a DTensor operation)."""
+    if sys.platform != "linux":
+        return
+    for name in _PRELOAD:  # once here, not in each simulation
+        importlib.import_module(name)
+    _FORK_FROM_HERE[0] = True
 
 
 # What a simulation imports: the trainer, the memory trackers, and inductor's partitioner with
