@@ -66,15 +66,19 @@ def _start_together() -> None:
     folder.mkdir(exist_ok=True)
     (folder / os.environ["FT_START_NAME"]).touch()
     count = int(os.environ["FT_START_COUNT"])
-    deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
-    while len(list(folder.iterdir())) < count and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_until(lambda: len(list(folder.iterdir())) >= count, poll_s=0.05)
 
 
 def _wait_for(path: Path) -> None:
+    _wait_until(path.exists, poll_s=0.1)
+
+
+def _wait_until(done, poll_s: float) -> None:
+    """Poll `done` until it holds, at most FT_HOLD_MAX_S seconds (then go on: the test's own
+    checks say what went wrong)."""
     deadline = time.monotonic() + float(os.environ.get("FT_HOLD_MAX_S", "300"))
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while not done() and time.monotonic() < deadline:
+        time.sleep(poll_s)
 
 
 data_spec = ReplicaTestLoader.spec("replica_test")

@@ -333,7 +333,7 @@ def test_the_dry_run_command_forks_its_simulations_from_itself(monkeypatch):
     from titan_trainer import cli
 
     declared = []
-    monkeypatch.setattr(simulate, "_FORK_FROM_HERE", [False])  # this process's choice, restored
+    monkeypatch.setattr(simulate, "_fork_from_here", False)  # this process's choice, restored
     monkeypatch.setattr(report, "fork_simulations_from_here", lambda: declared.append(True))
     monkeypatch.setattr(report, "dry_run", lambda config, out: 0)
     monkeypatch.setattr(sys, "argv", ["titan-train", "--dry-run"])

@@ -176,26 +176,17 @@ def measure_real(
     config.parallelism.build_parallel_dims(
         world_size
     )  # a bad layout fails here, not in the workers
-    # For spawned workers (no forkserver); forked ones set the same with mallopt (_worker).
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(
-                _worker,
-                args=(world_size, config, vocab_size, tmp, real_compile),
-                nprocs=world_size,
-                start_method=fresh_processes().get_start_method(),
-            )
-            return {
-                rank: pickle.loads(Path(tmp, f"rank{rank}.pkl").read_bytes())
-                for rank in range(world_size)
-            }
-    finally:
-        if previous is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _worker,
+            args=(world_size, config, vocab_size, tmp, real_compile),
+            nprocs=world_size,
+            start_method=fresh_processes().get_start_method(),
+        )
+        return {
+            rank: pickle.loads(Path(tmp, f"rank{rank}.pkl").read_bytes())
+            for rank in range(world_size)
+        }
 
 
 # glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap,
@@ -206,8 +197,8 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
 
 def _fix_mmap_threshold() -> None:
-    """The fixed threshold in a process that did not start with MALLOC_MMAP_THRESHOLD_ set
-    (forked from a server): glibc's mallopt, where there is one."""
+    """The fixed threshold in this worker, however it was started (forked from a server, it
+    never read a MALLOC_MMAP_THRESHOLD_ variable): glibc's mallopt, where there is one."""
     # Not glibc: nothing to fix (the resident set is only the second measurement).
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)

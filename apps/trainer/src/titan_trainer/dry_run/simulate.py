@@ -142,7 +142,7 @@ def fresh_processes() -> multiprocessing.context.BaseContext:
     Nothing has run in the server, so each simulation starts as fresh as a spawned one.
     Forked from this process itself once it has declared itself as fresh as that server
     (`fork_simulations_from_here`); spawned where forkserver does not exist (Windows)."""
-    if _FORK_FROM_HERE[0]:
+    if _fork_from_here:
         return multiprocessing.get_context("fork")
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
@@ -151,7 +151,7 @@ def fresh_processes() -> multiprocessing.context.BaseContext:
     return context
 
 
-_FORK_FROM_HERE = [False]
+_fork_from_here = False
 
 
 def fork_simulations_from_here() -> None:
@@ -162,11 +162,12 @@ def fork_simulations_from_here() -> None:
     per dry run). Linux only (elsewhere forking a process that has imported torch is not
     safe); a no-op there. Call it only where nothing that leaves state in torch will run
     before the simulations (a process group, a compile, a DTensor operation)."""
+    global _fork_from_here
     if sys.platform != "linux":
         return
     for name in _PRELOAD:  # once here, not in each simulation
         importlib.import_module(name)
-    _FORK_FROM_HERE[0] = True
+    _fork_from_here = True
 
 
 # What a simulation imports: the trainer, the memory trackers, and inductor's partitioner with
