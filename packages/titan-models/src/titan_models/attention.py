@@ -10,7 +10,8 @@ Block-causal attention over packed documents (`document_ids`, `build_attention_m
 dense / FlexAttention / variable-length implementations and `check_block_causal`) lives in
 `titan_models.block_causal`; its names are importable from here too. Every attention layer
 calls `attend(q, k, v, mask)`: SDPA `is_causal=True` without a mask, the mask's own
-implementation with one.
+implementation with one. Which SDPA kernel runs the causal case is torch's choice unless the
+layer's `sdpa_backend` names one (`titan_models.attention_backend`, measured per shape).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from titan_core.init import ParamInit
 from titan_core.protocols import TPStyle
+from titan_models.attention_backend import SDPAChoice, run_attention
 from titan_models.block_causal import (
     BLOCK_CAUSAL_IMPLS,
     CHECK_TOLERANCE,
@@ -57,15 +59,19 @@ ATTN_MASK_TYPES: tuple[str, ...] = ("causal", "block_causal")
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask | None,
+    backend: SDPAChoice | None = None,
 ) -> torch.Tensor:
     """Attention of `[batch, heads, seq, head_dim]` queries, keys and values: causal, or
     block-causal under `mask`. Keys and values may have fewer heads than the queries
     (grouped-query attention: kv head i serves query heads i*r .. (i+1)*r-1); the kernels
-    read them in place, which saves the copies (and their backward sums) of repeating them."""
+    read them in place, which saves the copies (and their backward sums) of repeating them.
+    `backend`: the SDPA kernel of the causal case (None: torch's dispatch picks)."""
     if mask is None:
-        gqa = k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return run_attention(q, k, v, backend)
     return attend_block_causal(q, k, v, mask)
 
 
@@ -79,6 +85,10 @@ class GroupedQueryAttention(nn.Module):
     `kv_cache` (generation) x's positions start at `start` and attend to the cached ones
     before them too; `mask` (training on packed documents) makes the attention block-causal.
     """
+
+    sdpa_backend: SDPAChoice | None = None
+    """The SDPA kernel of causal attention in training (None: torch's dispatch picks); set by
+    `titan_models.attention_backend.set_attention_backend`."""
 
     def __init__(self, layer_id: int, args) -> None:
         super().__init__()
@@ -112,7 +122,7 @@ class GroupedQueryAttention(nn.Module):
 
     def attend(self, q, k, v, mask: AttentionMask | None) -> torch.Tensor:
         """Training: `[batch, heads, seq, head_dim]`, causal or block-causal under `mask`."""
-        return attend(q, k, v, mask)
+        return attend(q, k, v, mask, self.sdpa_backend)
 
     def attend_cached(self, q, k, v, start: int) -> torch.Tensor:
         """Generation: queries at `start`.. against every cached key up to their own."""
