@@ -48,7 +48,7 @@ def test_choice_runs_the_shape_and_matches_torchs_dispatch_on_cpu():
     assert set(result.timings) == {"flash", "math"} and result.skipped == {}
     assert result.best.name == next(iter(result.timings))  # the fastest first
     assert min(result.timings.values()) == result.timings[result.best.name] > 0
-    assert result.summary().startswith(result.best.name)
+    assert result.summary().startswith(f"{result.best.name} ")
     # Every candidate, the pick included, against torch's own dispatch: 1e-5 in float32, the
     # kernels sum the softmax and the gradients in different orders.
     for name in attention_candidates("cpu"):
@@ -63,7 +63,7 @@ def test_kernels_that_cannot_run_a_shape_say_why():
     # The CUDA-only kernels on a CPU: torch refuses them, and its reason is kept.
     for name in ("cudnn", "efficient"):
         choice, why = runnable_choice(name, SHAPE, torch.float32, "cpu")
-        assert choice is None and why, name
+        assert choice is None and why == f"torch has no {name} kernel on cpu (it has flash, math)"
     # The math kernel at a long sequence is not even tried: 8 x 32 heads x 8192^2 floats.
     big = AttentionShape(batch=8, heads=32, kv_heads=8, seq=8192, head_dim=128)
     choice, why = runnable_choice("math", big, torch.bfloat16, "cpu")

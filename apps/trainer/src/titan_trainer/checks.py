@@ -106,11 +106,49 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
             f" attn_mask_type = {config.model.attn_mask_type!r}: it picks how a block-causal mask"
             " is computed\nset attn_mask_type = 'block_causal', or leave block_causal_impl out"
         )
+    problems += _attention_backend_problems(config, layout)
     if config.validation.enable and dims.pp_enabled:
         problems += _pipeline_validation_problems(config)
     if problems:
         raise ConfigError(problems)
     return layout
+
+
+def _attention_backend_problems(config: JobConfig, layout: Layout) -> list[str]:
+    """`[model] attention_backend` only steers causal attention, of layers that take it, and
+    context parallel's ring attention only runs the fused kernels."""
+    backend = config.model.attention_backend
+    if backend == "default":
+        return []
+    if config.model.attn_mask_type != "causal":
+        return [
+            f"[model] attention_backend = {backend!r} does nothing with attn_mask_type ="
+            f" {config.model.attn_mask_type!r}: it picks the kernel of causal attention (the"
+            " mask's own is block_causal_impl)\nleave attention_backend out (or 'default')"
+        ]
+    if backend == "math" and layout.dims.cp > 1:
+        return [
+            f"[model] attention_backend = 'math' does not work with context parallel"
+            f" (context_parallel_degree = {layout.dims.cp}): torch's ring attention exchanges"
+            " keys and values for the fused kernels only\nuse attention_backend = 'auto',"
+            " 'flash', 'cudnn' or 'efficient'"
+        ]
+    try:
+        spec = resolve(plugins.MODELS, config.model.name)
+        spec.flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return []  # reported as such by the checks above
+    if mtp_problems(config, spec):
+        return []  # the model cannot be built with that depth: said by the preflight
+    model = layout.meta_model()
+    if any(hasattr(m, "sdpa_backend") for m in model.modules()):
+        return []
+    return [
+        f"[model] attention_backend = {backend!r}: {config.model.name} {config.model.flavor}"
+        " has no attention layer that takes a kernel (an `sdpa_backend` attribute, as"
+        " titan-models' GroupedQueryAttention has)\nleave attention_backend out (or"
+        " 'default') for this model"
+    ]
 
 
 def _batch_and_length_problems(config: JobConfig, dims: ParallelDims) -> list[str]:

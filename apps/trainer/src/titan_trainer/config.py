@@ -91,6 +91,17 @@ class Model:
     `auto`: flex on CUDA, dense elsewhere. The model must have a `block_causal_impl`
     attribute (titan-models' do) for any but auto. Checked against the dense mask on the
     job's device before training."""
+    attention_backend: Literal["default", "auto", "flash", "cudnn", "efficient", "math"] = "default"
+    """Which SDPA kernel runs causal attention (attn_mask_type = 'causal'). `default`: torch's
+    own dispatch (its fixed priority: on CUDA flash, then memory-efficient, then cuDNN);
+    `auto`: each kernel that runs this rank's shape (local batch, sequence after context
+    parallel, heads after tensor parallel) timed forward and backward on the job's device at
+    start-up, the fastest used on every rank and logged with the timings (not timed by the
+    dry run); `flash`, `cudnn`, `efficient`, `math`: that kernel, refused before training
+    where it cannot run the shape (on a CPU only flash and math exist; context parallel
+    needs a fused kernel, not math). Grouped key/value heads are read in place where the
+    kernel takes them, else repeated. For models whose attention layers have an
+    `sdpa_backend` attribute (titan-models' Llama 3, Qwen3 and Llama 4's global blocks)."""
     n_mtp_layers: int | None = None
     """Multi-token-prediction layers (DeepSeek-V3's MTP modules: D layers after the blocks
     that predict the tokens 2..D+1 positions ahead, trained with `[training]

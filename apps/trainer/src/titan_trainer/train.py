@@ -33,6 +33,7 @@ from titan_core import (
 )
 from titan_core.distributed import destroy_distributed
 from titan_trainer import memory_check
+from titan_trainer.attention import apply_attention_backend
 from titan_trainer.checks import block_causal_device_problem, optimizer_state_copies
 from titan_trainer.comm import (
     dump_trace,
@@ -114,6 +115,8 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
     # that model is converted and parallelized.
     spare = layout.spare_model(tokenizer.vocab_size) if not dims.pp_enabled else None
     parts = build_model(config, runtime, tokenizer.vocab_size, converters, layout=layout)
+    # Timed or checked on the device before the model takes its memory.
+    apply_attention_backend(config, parts, dims, info.device, runtime.dtype)
     check_memory(config, parts, dims, tokenizer.vocab_size, info.device, runtime.dtype, spare)
     runtime.materialize(parts)
 

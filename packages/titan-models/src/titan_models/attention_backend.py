@@ -26,6 +26,7 @@ implementations (`titan_models.block_causal`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 import warnings
@@ -60,6 +61,7 @@ _CANDIDATES = {"cuda": ("flash", "cudnn", "efficient", "math"), "cpu": ("flash",
 # their gradients, in float32): past this it is not timed, since it cannot win there and could
 # take the memory the run needs.
 MATH_SCORES_LIMIT = 1 << 30
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +105,9 @@ class AttentionChoice:
     skipped: dict[str, str]
 
     def summary(self) -> str:
-        """One line for a log: each candidate's time and the skipped ones."""
+        """For a log: each candidate's time, fastest first, then the skipped ones and why."""
         ran = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in self.timings.items())
-        skipped = "".join(f"; {n}: {why}" for n, why in self.skipped.items())
-        return f"{self.best.name} ({ran}{skipped})"
+        return ran + "".join(f"; {n} not run: {why}" for n, why in self.skipped.items())
 
 
 def attention_candidates(device: torch.device | str) -> tuple[str, ...]:
@@ -151,6 +152,9 @@ def runnable_choice(
     `device`, forward and backward: with grouped key/value heads read in place if it takes
     them, else repeated; or (None, why not) when it cannot run the shape at all."""
     device = torch.device(device)
+    there = attention_candidates(device)
+    if name not in there:
+        return None, f"torch has no {name} kernel on {device.type} (it has {', '.join(there)})"
     if name == "math":
         scores = shape.batch * shape.heads * shape.seq * shape.seq * 4
         if scores > MATH_SCORES_LIMIT:
@@ -160,16 +164,16 @@ def runnable_choice(
     why = ""
     for repeat in ways:
         choice = SDPAChoice(ATTENTION_BACKENDS[name], repeat)
-        # torch says why a kernel refuses a shape in warnings, then raises "No available
-        # kernel": keep the first reason it gives.
+        # torch says why a kernel refuses a shape in warnings ("... not used because:", then
+        # the reason), then raises "No available kernel": keep what the warnings say.
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 _forward_backward(inputs, choice)
                 return choice, ""
             except RuntimeError as error:
-                reasons = [str(w.message).split("\n")[0] for w in caught]
-                why = why or (reasons[0] if reasons else str(error).split("\n")[0])
+                said = " ".join(_TRIGGERED.sub("", str(w.message)).strip() for w in caught)
+                why = why or said or str(error).split("\n")[0]
     return None, why
 
 
