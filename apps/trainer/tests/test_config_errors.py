@@ -365,3 +365,81 @@ def test_multi_token_prediction_is_checked_against_the_family_and_context_parall
     ):
         config = load_config(JobConfig, [*deepseek, *extra])
         assert model_args_for(spec, config, 256).n_mtp_layers == depth
+
+
+def test_attention_backend_is_refused_where_it_would_do_nothing_or_cannot_work():
+    text = problems(
+        ["--model.attention_backend", "flash", "--model.attn_mask_type", "block_causal"]
+    )
+    assert (
+        "[model] attention_backend = 'flash' does nothing with attn_mask_type = 'block_causal':"
+        " it picks the kernel of causal attention (the mask's own is block_causal_impl)\n"
+        "       leave attention_backend out (or 'default')" in text
+    )
+    text = problems(
+        ["--model.attention_backend", "math", "--parallelism.context_parallel_degree", "2"],
+        world_size=2,
+    )
+    assert (
+        "[model] attention_backend = 'math' does not work with context parallel"
+        " (context_parallel_degree = 2): torch's ring attention exchanges keys and values for"
+        " the fused kernels only\n       use attention_backend = 'auto', 'flash', 'cudnn' or"
+        " 'efficient'" in text
+    )
+    # DeepSeek-V3's latent attention calls SDPA itself, with no kernel to set.
+    text = problems(
+        [
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "debugmodel",
+            "--model.attention_backend",
+            "auto",
+        ]  # fmt: skip
+    )
+    assert (
+        "[model] attention_backend = 'auto': deepseek_v3 debugmodel has no attention layer that"
+        " takes a kernel (an `sdpa_backend` attribute, as titan-models' GroupedQueryAttention"
+        " has)\n       leave attention_backend out (or 'default') for this model" in text
+    )
+
+
+def test_attention_backend_is_checked_or_timed_on_the_device_with_the_ranks_shape(caplog):
+    """A named kernel the device lacks is refused before training; a named kernel that runs
+    and `auto` (timed here) are set on every attention layer; `default` sets none."""
+    import logging
+
+    import torch
+
+    from titan_trainer.attention import apply_attention_backend
+    from titan_trainer.layout import Layout
+
+    def apply(backend: str):
+        args = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+        config = load_config(JobConfig, [*args, "--model.attention_backend", backend])
+        dims = config.parallelism.build_parallel_dims(1)
+        model = Layout(config, dims, vocab_size=16).meta_model()
+        choice = apply_attention_backend(config, [model], dims, torch.device("cpu"), torch.float32)
+        layers = [block.attention.sdpa_backend for block in model.layers.values()]
+        return choice, layers
+
+    with pytest.raises(ConfigError) as info:
+        apply("cudnn")
+    assert str(info.value) == (
+        "titan: config error: [model] attention_backend = 'cudnn': the cudnn kernel cannot run"
+        f" this job's attention (2x64, 16/8 heads of 16, float32) on cpu (torch {torch.__version__}):"
+        " torch has no cudnn kernel on cpu (it has flash, math)\n"
+        "       use attention_backend = 'auto' (the fastest kernel that runs it) or 'default'"
+        " (torch's own choice)"
+    )
+    choice, layers = apply("math")
+    assert choice.name == "math" and layers == [choice] * len(layers)
+    with caplog.at_level(logging.INFO, logger="titan"):
+        choice, layers = apply("auto")
+    assert choice.name in ("flash", "math") and layers == [choice] * len(layers)
+    (line,) = [r.getMessage() for r in caplog.records if "attention:" in r.getMessage()]
+    assert line.startswith(
+        f"attention: {choice.name} for 2x64, 16/8 heads of 16, float32 on cpu (forward +"
+        f" backward, timed on rank 0: {choice.name} "
+    ), line
+    assert apply("default") == (None, [None] * len(layers))

@@ -67,10 +67,16 @@ def test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process(
             "2",
             *_validation(same_doc_dataset),
             *_TB,
+            # Timed by rank 0 on its shape (heads halved by TP), the pick broadcast; the
+            # reference runs torch's own choice.
+            "--model.attention_backend",
+            "auto",
         ],
         nproc=4,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "attention: " in output and " for 4x128, 8/4 heads of 16, float32 on cpu (" in output
     reference_losses, reference_validation, reference_folder = reference_losses
     losses = parse_losses(result.stdout)
     assert sorted(losses) == list(range(1, STEPS + 1))
