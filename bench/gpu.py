@@ -7,8 +7,10 @@ the part ends.
 On a machine with a CUDA GPU it runs, each in a process of its own (and each throughput
 variant in its own process, so that only one model is ever alive on the GPU):
 
-1. `throughput_eager`, `throughput_compiled`: the 1B flavor (Llama 3.2 1B shapes, Llama 3's
-   vocabulary of 128256, random tokens), bfloat16, FSDP on one GPU, eager and compiled
+1. `throughput_eager`, `throughput_eager_attention_auto`, `throughput_compiled`: the 1B
+   flavor (Llama 3.2 1B shapes, Llama 3's vocabulary of 128256, random tokens), bfloat16, FSDP
+   on one GPU, eager, eager with the attention kernel timed per shape (`[model]
+   attention_backend = "auto"`, against torch's own pick in the eager part) and compiled
    (bench/throughput.py). Target: MFU >= 50% compiled on one H100.
 2. `float8`: bfloat16 against Float8 on Llama 3.1 8B-shaped linear layers and a small
    transformer (bench/float8.py). Target: Float8 >= 1.3x bfloat16 on the 8B-shaped layers.
@@ -83,6 +85,7 @@ GiB = 2**30
 # about 12 GB three ways.
 PART_SECONDS = {
     "throughput_eager": 75,
+    "throughput_eager_attention_auto": 60,
     "throughput_compiled": 150,
     "float8": 150,
     "ckpt": 90,
@@ -152,6 +155,9 @@ def parts_to_run(gpus: int, smoke: bool, batch: int | None) -> dict[str, list[st
     if batch is not None:
         throughput = [*py, str(BENCH / "throughput.py"), *throughput_flags(smoke, batch)]
         parts["throughput_eager"] = [*throughput, "--variants", "eager"]
+        parts["throughput_eager_attention_auto"] = [
+            *throughput, "--variants", "attention_auto", "--", "--model.attention_backend", "auto"
+        ]  # fmt: skip
         # Smoke: the compile path without the minutes a C++ compiler takes on a CPU.
         compiled = ["--compile.enable", *(["--compile.backend", "aot_eager"] if smoke else [])]
         parts["throughput_compiled"] = [*throughput, "--variants", "compiled", "--", *compiled]
@@ -208,6 +214,11 @@ def targets(results: dict) -> list[dict]:
     if compiled:
         mfu = compiled[0]["mfu_pct"]
         out.append({"target": "1B bf16 compiled MFU >= 50%", "value": mfu, "met": mfu >= 50.0})
+    auto = results.get("throughput_eager_attention_auto", {}).get("records", [])
+    if auto and eager:  # one after the other on the same GPU; `attention`: the kernel picked
+        ratio = round(auto[0]["step_s"] / eager[0]["step_s"], 3)
+        measure = f"1B eager step time, attention_backend auto ({auto[0]['attention']}) / default"
+        out.append({"measure": measure, "value": ratio})
     if compiled and eager:  # measured one after the other in this run, on the same GPU
         ratio = round(compiled[0]["step_s"] / eager[0]["step_s"], 3)
         out.append({"measure": "1B compiled step time / eager step time", "value": ratio})

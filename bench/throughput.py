@@ -82,6 +82,7 @@ import torch
 
 from titan_core import init_distributed, load_config, peak_flops, resolve_device_type
 from titan_core.distributed import destroy_distributed
+from titan_trainer.attention import apply_attention_backend
 from titan_trainer.config import JobConfig
 from titan_trainer.guards import StepGuard
 from titan_trainer.lr_schedule import build_lr_scheduler
@@ -113,6 +114,7 @@ class Variant:
     params: int = 0
     times: list[dict[str, float]] = field(default_factory=list)
     host_syncs: int = 0
+    attention: str = "default"
 
 
 def build_variant(variant: Variant, args, info, dump: str) -> None:
@@ -138,6 +140,9 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
         tokenizer = data.build_tokenizer(config.model.tokenizer_path)
         vocab = tokenizer.vocab_size
     parts = build_model(config, runtime, vocab, build_converters(config, dims))
+    # [model] attention_backend, as the trainer applies it: timed or checked on the device.
+    choice = apply_attention_backend(config, parts, dims, info.device, dtype)
+    variant.attention = "default" if choice is None else choice.name
     if args.fsdp_one_device:
         apply_fsdp_one_device(parts, info.device, dtype, runtime)
     runtime.materialize(parts)
@@ -236,6 +241,7 @@ def summarize(variant: Variant, args, device: torch.device, baseline: float | No
         "params": variant.params,
         "device": str(device),
         "dtype": str(variant.dtype).removeprefix("torch."),
+        "attention": variant.attention,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,

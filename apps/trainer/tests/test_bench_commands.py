@@ -101,14 +101,16 @@ def test_bench_gpu_appends_each_part_as_it_ends_and_runs_every_part(tmp_path):
     assert [again, parts[0]] == first  # the lines written first are kept as they were
     assert [p["part"] for p in parts] == [
         "throughput_eager",
+        "throughput_eager_attention_auto",
         "throughput_compiled",
         "float8",
         "ckpt",
     ]
     assert all(p["returncode"] == 0 and not p["timed_out"] for p in parts)
-    compiled, float8, ckpt = (p["records"] for p in parts[1:])
+    auto, compiled, float8, ckpt = (p["records"] for p in parts[1:])
+    assert auto[0]["attention"] != "default" and record["attention"] == "default"
     assert [r["variant"] for r in compiled] == ["compiled"]
-    assert "--compile.enable" in parts[1]["command"]
+    assert "--compile.enable" in parts[2]["command"]
     assert {"sync_save_s", "async_blocking_s", "load_s"} <= {r["metric"] for r in ckpt}
     assert float8[0].get("skipped") is (not torch.cuda.is_available())
     assert end["kind"] == "targets" and end["targets"][0]["target"] == "1B bf16 compiled MFU >= 50%"
