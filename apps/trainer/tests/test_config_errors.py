@@ -437,7 +437,7 @@ def test_attention_backend_is_checked_or_timed_on_the_device_with_the_ranks_shap
     with caplog.at_level(logging.INFO, logger="titan"):
         choice, layers = apply("auto")
     assert choice.name in ("flash", "math") and layers == [choice] * len(layers)
-    (line,) = [r.getMessage() for r in caplog.records if "attention:" in r.getMessage()]
+    (line,) = [r.getMessage() for r in caplog.records if "timed on rank 0" in r.getMessage()]
     assert line.startswith(
         f"attention: {choice.name} for 2x64, 16/8 heads of 16, float32 on cpu (forward +"
         f" backward, timed on rank 0: {choice.name} "
