@@ -23,7 +23,7 @@ Sized for one 80 GB GPU and short: before a throughput part starts, the trainer'
 predicts its peak memory (`titan_trainer.dry_run.simulate`, fake tensors, nothing allocated);
 a batch that does not fit under `--fit-fraction` of the GPU's memory is halved until one does,
 and a part that fits at no batch is not run (each is said on stderr and recorded). Every part
-has a time limit (`PART_SECONDS`, 8 minutes in all on one H100 by the figures in the README);
+has a time limit (`PART_SECONDS`, 9 minutes in all on one H100 by the figures in the README);
 a part past it is stopped and recorded as timed out, and the next one runs.
 
 The file (JSON lines) starts with the machine (GPUs, torch, CUDA); then, as each part ends,
@@ -79,7 +79,7 @@ BENCH = Path(__file__).resolve().parent
 NO_GPU_EXIT = 2
 GiB = 2**30
 
-# Seconds each part may take on one H100 (about 480 in all): the 1B eager part is ~20 s of
+# Seconds each part may take on one H100 (about 540 in all): the 1B eager part is ~20 s of
 # set-up and a few seconds of steps; compiled adds ~1-2 minutes of compilation; Float8
 # compiles two recipes over four shapes and a small transformer; the checkpoint part writes
 # about 12 GB three ways.

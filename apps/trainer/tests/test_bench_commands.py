@@ -199,7 +199,7 @@ def _run_in_repo(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def test_bench_readme_throughput_commands_run_at_toy_sizes():
     commands = _bench_readme_commands("throughput.py")
-    assert len(commands) == 3, commands
+    assert len(commands) == 4, commands
     runs = []
     for command in commands:
         argv = shlex.split(command)
@@ -241,6 +241,9 @@ def test_bench_readme_throughput_commands_run_at_toy_sizes():
                 "optimizer",
                 "logging",
             }
+        if "--model.attention_backend" in command:  # the kernel each variant ran
+            assert [r["attention"] for r in records] == ["default", records[1]["attention"], "math"]
+            assert records[1]["attention"] in ("flash", "math")  # auto: a CPU kernel
         if len(records) == 2:  # side by side: the second carries its ratio to the first
             assert records[1]["step_time_over_first_variant"] > 0
             # ... and MFU against the same peak, measured once per dtype.

@@ -215,14 +215,14 @@ def choose_attention_backend(
     dtype: torch.dtype,
     device: torch.device | str,
     *,
-    warmup: int = 1,
+    warmup: int = 0,
     reps: int = 3,
     candidates: tuple[str, ...] | None = None,
 ) -> AttentionChoice:
     """Times causal attention forward + backward of this shape with each of the device's
     candidate kernels (`candidates`: names of `ATTENTION_BACKENDS`, by default
-    `attention_candidates(device)`; after the run that checks it can run the shape,
-    `warmup` untimed runs, then the median of `reps`, the device synchronised around each;
+    `attention_candidates(device)`; the run that checks it can run the shape warms it up,
+    then `warmup` more untimed runs, then the median of `reps`, the device synchronised around each;
     one run only for a kernel already twice as slow as the fastest so far) and returns them,
     the fastest as `best`. A kernel that
     cannot run the shape is skipped with its reason; when none can, a RuntimeError. The
