@@ -414,10 +414,10 @@ def test_attention_backend_is_checked_or_timed_on_the_device_with_the_ranks_shap
     from titan_trainer.attention import apply_attention_backend
     from titan_trainer.layout import Layout
 
-    def apply(backend: str):
-        args = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+    def apply(backend: str, *extra: str, world: int = 1):
+        args = ["--training.seq_len", "64", "--training.local_batch_size", "2", *extra]
         config = load_config(JobConfig, [*args, "--model.attention_backend", backend])
-        dims = config.parallelism.build_parallel_dims(1)
+        dims = config.parallelism.build_parallel_dims(world)
         model = Layout(config, dims, vocab_size=16).meta_model()
         choice = apply_attention_backend(config, [model], dims, torch.device("cpu"), torch.float32)
         layers = [block.attention.sdpa_backend for block in model.layers.values()]
@@ -443,3 +443,11 @@ def test_attention_backend_is_checked_or_timed_on_the_device_with_the_ranks_shap
         f" backward, timed on rank 0: {choice.name} "
     ), line
     assert apply("default") == (None, [None] * len(layers))
+    # Context parallel: the rank's half of the sequence, and no math kernel (ring attention
+    # exchanges keys and values for the fused kernels only).
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="titan"):
+        choice, _ = apply("auto", "--parallelism.context_parallel_degree", "2", world=2)
+    (line,) = [r.getMessage() for r in caplog.records if "timed on rank 0" in r.getMessage()]
+    assert choice.name == "flash" and " for 2x32, 16/8 heads of 16, " in line, line
+    assert "math" not in line
