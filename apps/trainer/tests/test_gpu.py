@@ -8,7 +8,8 @@ reported as skipped, with the reason, on a CPU-only machine.
   and Float8 settings, for 12 steps with async checkpoints, then resumed from its step-10
   checkpoint; each run's peak against the dry run's prediction;
 - Float8 against bf16 loss; a MoE config with grouped GEMMs against its experts one by one;
-  validation; `titan-generate` on a GPU checkpoint; a memory snapshot.
+  validation (with the attention kernel timed per shape); `titan-generate` on a GPU
+  checkpoint; a memory snapshot.
 """
 
 from __future__ import annotations
@@ -248,10 +249,19 @@ def test_validation_runs_on_the_gpu(tmp_path):
             "--job.dump_folder", str(tmp_path), "--training.steps", "10",
             "--validation.enable", "--validation.freq", "5", "--validation.steps", "3",
             "--metrics.save_plots_folder", "",
+            # The attention kernel timed per shape on the GPU (the CPU tests reach only flash
+            # and math): the pick is a CUDA kernel, and training and validation run with it.
+            "--model.attention_backend", "auto",
         ]
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"step +10 \| validation loss \d", result.stdout), result.stdout[-3000:]
+    picked = re.search(
+        r"attention: (flash|cudnn|efficient|math)( \(k/v repeated\))? for .* on cuda \(forward"
+        r" \+ backward, timed on rank 0: ",
+        result.stdout + result.stderr,
+    )
+    assert picked, result.stdout[-3000:]
 
 
 def test_generate_continues_a_prompt_from_a_gpu_checkpoint(tmp_path):
