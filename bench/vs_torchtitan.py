@@ -41,7 +41,8 @@ torchtitan prints the peak memory *reserved* by the CUDA caching allocator, Tita
 parameters + attention per token against the H100's 989 TFLOP/s dense bf16).
 
 The file (`--out`) starts with the machine; one line per run as it ends (command, exit status,
-seconds, the steps read, the medians, a stderr tail when it failed); one line per row when both
+seconds, the steps read, the medians, the output's tail when it failed; the whole output is in
+the folder beside the file, `OUT-logs/ROW.FRAMEWORK.log`); one line per row when both
 of its runs have ended, with Titan / torchtitan tokens/s and whether it is >= 1.15 (issue 31's
 target).
 
@@ -330,6 +331,8 @@ def measure(args: argparse.Namespace, work: Path, say) -> int:
     out.write_text("")
     append(out, {"kind": "machine", "smoke": args.smoke, "when": time.strftime("%Y-%m-%d %H:%M:%S"), **machine()})  # fmt: skip
     write_assets(work / "assets", SMOKE_VOCAB if args.smoke else VOCAB)
+    logs = out.with_name(out.stem + "-logs")  # each run's whole output
+    logs.mkdir(exist_ok=True)
     deadline = time.monotonic() + args.total_seconds
     failed = False
     for row in args.rows.split(","):
@@ -349,8 +352,10 @@ def measure(args: argparse.Namespace, work: Path, say) -> int:
                 continue
             say(f"{row} {framework} ... (at most {seconds:.0f} s)")
             code, timed_out, took, output = run_one(cmd, seconds, run_env())
+            log = logs / f"{row}.{framework}.log"
+            log.write_text(output)
             steps = parse_steps(framework, output)
-            line.update(returncode=code, timed_out=timed_out, seconds=took,
+            line.update(returncode=code, timed_out=timed_out, seconds=took, log=str(log),
                         steps_read=[s.step for s in steps],
                         **summarize(steps, args.median_from, args.steps))  # fmt: skip
             if code != 0 or timed_out:

@@ -9,15 +9,20 @@ torchtitan 0.2.2 importable (tools/gpu_bundle.py --with-torchtitan installs it).
   Titan's config loader the Titan one, and both read the row's settings from the shared TOML;
 - torchtitan's cut flavors (registered by torchtitan_cut_llama3) and Titan's
   (titan_cut_llama3) build models with the same parameter count and the same parameter shapes
-  (on the meta device: nothing allocated).
+  (on the meta device: nothing allocated);
+- the bench reads back the metrics line torchtitan's own `MetricsProcessor.log` writes, with
+  and without colors (the CUDA memory monitor it reads from is replaced by its answer: the one
+  part of that method a CPU cannot run).
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 
@@ -42,7 +47,7 @@ def check_tokenizers(bench: ModuleType, assets: Path) -> str:
     expect(theirs.get_vocab_size() == bench.VOCAB, f"torchtitan's vocabulary {theirs.get_vocab_size()}")  # fmt: skip
     expect(ours.vocab_size == bench.VOCAB, f"Titan's vocabulary {ours.vocab_size}")
     ids = [i for doc in pydocs_documents("train") for i in theirs.encode(doc, add_bos=True, add_eos=True)]  # fmt: skip
-    expect(0 <= min(ids) and max(ids) < bench.VOCAB, f"ids {min(ids)}..{max(ids)}")
+    expect(min(ids) >= 0 and max(ids) < bench.VOCAB, f"ids {min(ids)}..{max(ids)}")
     expect(ids[0] == theirs.bos_id and theirs.eos_id in ids, "BOS/EOS not added")
     return f"tokenizer: {bench.VOCAB} ids for both; the corpus is {len(ids):,} tokens, ids 0..{max(ids)}"  # fmt: skip
 
@@ -113,6 +118,54 @@ def check_models(bench: ModuleType) -> str:
     return f"models: the same parameter shapes and counts ({'; '.join(said)})"
 
 
+class _PeakMemory:
+    """What torchtitan's DeviceMemoryMonitor answers (it reads torch.cuda.memory_stats)."""
+
+    def get_peak_stats(self):
+        from torchtitan.components.metrics import DeviceMemStats
+
+        return DeviceMemStats(40.0, 50.0, 43.71, 55.2, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        pass
+
+
+def check_metrics_line(bench: ModuleType) -> str:
+    from torchtitan.components.metrics import BaseLogger, MetricsProcessor
+    from torchtitan.tools.utils import Color, NoColor
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    root = logging.getLogger()  # torchtitan's logger
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    flops_per_token = 6 * 1_923_125_248
+    try:
+        for color in (NoColor(), Color()):
+            metrics = object.__new__(MetricsProcessor)  # its __init__ asks CUDA for the device
+            metrics.logger, metrics.color = BaseLogger(), color
+            metrics.parallel_dims = SimpleNamespace(non_data_parallel_size=1)
+            metrics.job_config = SimpleNamespace(metrics=SimpleNamespace(log_freq=1))
+            metrics.device_memory_monitor = _PeakMemory()
+            metrics.gpu_peak_flops, metrics.num_flops_per_token = 989e12, flops_per_token
+            metrics.ntokens_since_last_log, metrics.data_loading_times = 8192, [0.001]
+            metrics.time_last_log = time.perf_counter() - 0.16
+            metrics.log(7, 3.25, 3.25, 0.9)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    steps = bench.parse_steps("torchtitan", "\n".join(said))
+    expect(len(steps) == 2, f"read {steps} from {said}")
+    for step in steps:
+        mfu = 100 * flops_per_token * step.tokens_per_s / 989e12
+        expect(step.step == 7 and step.memory_gib == 43.71, f"read {step} from {said}")
+        # tps is printed rounded to a token, MFU to 0.01%.
+        expect(abs(step.mfu_pct - mfu) < 0.01, f"MFU {step.mfu_pct} against {mfu:.3f}")
+    return f"metrics line: torchtitan's own, read back ({said[0]!r})"
+
+
 def run_checks(args, say, bench: ModuleType) -> int:
     """Each check in turn, said as it passes or fails; 1 when any failed."""
     rows = args.rows.split(",")
@@ -124,6 +177,7 @@ def run_checks(args, say, bench: ModuleType) -> int:
             lambda: check_dataset(bench, work / "assets"),
             lambda: check_configs(bench, work, rows),
             lambda: check_models(bench),
+            lambda: check_metrics_line(bench),
         ]
         failed = 0
         for check in checks:

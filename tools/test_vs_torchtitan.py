@@ -1,0 +1,103 @@
+"""bench/vs_torchtitan.py as the GPU machine runs it, from a bundle made with
+`tools/gpu_bundle.py --with-torchtitan` (torchtitan 0.2.2 installed with --no-deps beside this
+Python's torch), as far as a CPU takes it: `--check` passes, and `--smoke` trains Titan on a toy
+flavor while torchtitan gets as far as its CUDA device (torchtitan 0.2.2 cannot train on a CPU:
+see the bench's docstring); on a GPU both train and the row's ratio is written.
+
+Not in the default suite (about a minute and a half, and a download from PyPI):
+
+    uv run nox -s vs-torchtitan
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_bench(tmp_path_factory):
+    """Runs the bundle's run_vs_torchtitan.sh with the given arguments."""
+    bundle = tmp_path_factory.mktemp("bundle") / "gpu-bundle"
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_bundle.py"), str(bundle), "--no-third-party",
+         "--with-torchtitan"],
+        check=True,
+        timeout=900,
+    )  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable, "PIP": "uv pip",
+           "TITAN_TARGET": str(bundle.parent / "site"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", str(bundle / "run_vs_torchtitan.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+
+    return run
+
+
+def test_the_cpu_checks_pass_from_the_bundle(run_bench):
+    done = run_bench("--check")
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-4000:]
+    passed = [line for line in done.stderr.splitlines() if line.startswith("vs_torchtitan: ok: ")]
+    kinds = [line.split(": ")[2] for line in passed]
+    assert kinds == [
+        "tokenizer",
+        "torchtitan's c4_test loader",
+        "configs",
+        "models",
+        "metrics line",
+    ]
+    assert "8B-4 1,923,125,248; 8B-8 2,795,573,248" in said  # Llama 3.1 8B's widths, cut
+
+
+def test_smoke_trains_titan_and_runs_torchtitan_to_its_cuda_device(run_bench, tmp_path):
+    out = tmp_path / "smoke.jsonl"
+    done = run_bench("--smoke", "--rows", "4l_eager,8l_sac_compiled", "--steps", "4",
+                     "--median-from", "2", "--out", str(out))  # fmt: skip
+    said = done.stdout + done.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    machine, *rest = lines
+    assert machine["kind"] == "machine" and machine["torchtitan"] == "0.2.2", machine
+    runs = [line for line in rest if line["kind"] == "run"]
+    rows = [line for line in rest if line["kind"] == "row"]
+    assert [(r["row"], r["framework"]) for r in runs] == [
+        ("4l_eager", "torchtitan"), ("4l_eager", "titan"),
+        ("8l_sac_compiled", "torchtitan"), ("8l_sac_compiled", "titan"),
+    ]  # fmt: skip
+    assert [r["row"] for r in rows] == ["4l_eager", "8l_sac_compiled"]
+    for run in runs:
+        # Both read the same file; torchtitan finds the flavors through its custom import.
+        assert run["command"][run["command"].index("--job.config_file") + 1].endswith(
+            f"configs/{run['row']}.toml"
+        )
+        if run["framework"] == "titan" or torch.cuda.is_available():
+            assert run["returncode"] == 0, run.get("output_tail")
+            assert run["steps_read"] == [1, 2, 3, 4] and run["steps_used"] == 3, run
+            assert run["tokens_per_s"] > 0 and run["mfu_pct"] > 0 and run["peak_gib"] > 0
+        else:
+            # torchtitan 0.2.2 takes "cuda" when no accelerator is present and sets the device
+            # right after importing the custom module: its config and that import were accepted.
+            output = Path(run["log"]).read_text()
+            assert run["returncode"] != 0 and run["steps_read"] == []
+            assert "torchtitan_cut_llama3: registered llama3 flavors 8B-4, 8B-8, smoke" in output
+            assert "device_module.set_device(self.device)" in run["output_tail"], output
+    for row in rows:
+        if torch.cuda.is_available():
+            assert row["titan_over_torchtitan"] > 0 and isinstance(row["met"], bool), row
+        else:
+            assert "titan_over_torchtitan" not in row and row["titan"]["tokens_per_s"] > 0
+    assert done.returncode == (0 if torch.cuda.is_available() else 1), said[-3000:]
