@@ -1,6 +1,7 @@
 """bench/vs_torchtitan.py as the GPU machine runs it, from a bundle made with
 `tools/gpu_bundle.py --with-torchtitan` (torchtitan 0.2.2 installed with --no-deps beside this
-Python's torch), as far as a CPU takes it: `--check` passes, and `--smoke` trains Titan on a toy
+Python's torch), as far as a CPU takes it: `import torchtitan.train` works from the bundle's
+folder, the bench refuses to measure without a GPU (exit status 2), `--check` passes, and `--smoke` trains Titan on a toy
 flavor while torchtitan gets as far as its CUDA device (torchtitan 0.2.2 cannot train on a CPU:
 see the bench's docstring); on a GPU both train and the row's ratio is written.
 
@@ -45,7 +46,31 @@ def run_bench(tmp_path_factory):
             timeout=1200,
         )
 
+    run.bundle = bundle
     return run
+
+
+# torchtitan 0.2.2 and what it needs beyond the workspace's lock, as wheel names.
+TORCHTITAN_WHEELS = ["docstring_parser", "einops", "tomli", "torchdata", "torchtitan",
+                     "typeguard", "tyro"]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: it measures")
+def test_the_bundle_imports_torchtitan_from_its_wheels_and_the_bench_refuses_without_a_gpu(
+    run_bench, tmp_path
+):
+    wheels = sorted(w.name.split("-")[0] for w in (run_bench.bundle / "wheels").glob("*.whl"))
+    assert [w for w in wheels if not w.startswith("titan_llm_")] == TORCHTITAN_WHEELS
+    done = run_bench("--out", str(tmp_path / "out.jsonl"))
+    said = done.stdout + done.stderr
+    # torchtitan.train imported from the bundle's folder, beside this Python's torch.
+    site = run_bench.bundle.parent / "site"
+    assert f"vs torchtitan: torchtitan 0.2.2 from {site / 'torchtitan'}" in done.stdout, said
+    assert f"titan from {site / 'titan_core'}" in done.stdout, said
+    assert done.returncode == 2, said[-3000:]
+    assert "vs_torchtitan: no CUDA GPU on this machine" in done.stderr, said[-3000:]
+    assert "nothing was measured and no file was written" in done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_the_cpu_checks_pass_from_the_bundle(run_bench):
