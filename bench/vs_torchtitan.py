@@ -42,7 +42,7 @@ parameters + attention per token against the H100's 989 TFLOP/s dense bf16).
 
 The file (`--out`) starts with the machine; one line per run as it ends (command, exit status,
 seconds, the steps read, the medians, the output's tail when it failed; the whole output is in
-the folder beside the file, `OUT-logs/ROW.FRAMEWORK.log`); one line per row when both
+`--logs`, by default the folder beside the file, `OUT-logs/ROW.FRAMEWORK.log`); one line per row when both
 of its runs have ended, with Titan / torchtitan tokens/s and whether it is >= 1.15 (issue 31's
 target).
 
@@ -117,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--total-seconds", type=float, default=540, help="no run starts that could end past this"
     )
     parser.add_argument("--work", default=None, help="folder for data, configs, outputs (a temp)")
+    parser.add_argument(
+        "--logs", default=None, help="folder for each run's whole output (default: OUT-logs)"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="a toy flavor on any device")
     mode.add_argument("--check", action="store_true", help="the CPU checks (needs torchtitan)")
@@ -331,8 +334,8 @@ def measure(args: argparse.Namespace, work: Path, say) -> int:
     out.write_text("")
     append(out, {"kind": "machine", "smoke": args.smoke, "when": time.strftime("%Y-%m-%d %H:%M:%S"), **machine()})  # fmt: skip
     write_assets(work / "assets", SMOKE_VOCAB if args.smoke else VOCAB)
-    logs = out.with_name(out.stem + "-logs")  # each run's whole output
-    logs.mkdir(exist_ok=True)
+    logs = Path(args.logs) if args.logs else out.with_name(out.stem + "-logs")
+    logs.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.total_seconds
     failed = False
     for row in args.rows.split(","):

@@ -8,7 +8,8 @@ The folder holds:
 - `wheels/`: the workspace's wheels (built from this checkout, as an index would get them), and
   the third-party wheels they need from uv.lock, except torch and what comes with it (triton,
   the CUDA libraries, sympy, ...), which the machine has (`--no-third-party` leaves them out,
-  for a machine that has them too; `--python-version` picks the wheels for its Python);
+  for a machine that has them too, `--only-third-party a,b` takes only those, for one that has
+  the rest; `--python-version` picks the wheels for its Python);
 - `repo/`: this checkout's tracked files without the package sources (tests, configs, READMEs,
   the pytest settings), so that the tests can only import the installed wheels;
 - `gpu_test_files.txt`: the test files that hold tests marked `gpu`, a line per package;
@@ -115,14 +116,24 @@ def _name(line: str) -> str | None:
     return re.split(r"[=<>;\[ ]", line, maxsplit=1)[0].lower()
 
 
-def third_party_requirements() -> list[str]:
+def third_party_requirements(only: set[str] | None = None) -> list[str]:
     """The locked third-party packages the workspace's libraries and trainer need at run time
-    (and pytest), less torch and what comes with it."""
-    return [
+    (and pytest), less torch and what comes with it; with `only`, just those of them."""
+    keep = [
         line.strip()
         for line in _export().splitlines()
         if (name := _name(line)) is not None and not WITH_TORCH.match(name)
     ]
+    if only is None:
+        return keep
+    unknown = only - {_name(line) for line in keep}
+    if unknown:
+        raise SystemExit(
+            f"gpu bundle: --only-third-party names {', '.join(sorted(unknown))}, which uv.lock"
+            " does not hold (or that come with torch)\n"
+            "            name packages of the workspace's lock, as `uv export` writes them"
+        )
+    return [line for line in keep if _name(line) in only]
 
 
 def torchtitan_requirements(python_version: str) -> list[str]:
@@ -192,7 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("out", help="the folder to make (replaced if it exists)")
-    parser.add_argument("--no-third-party", action="store_true", help="only the workspace's wheels")
+    third_party = parser.add_mutually_exclusive_group()
+    third_party.add_argument(
+        "--no-third-party", action="store_true", help="only the workspace's wheels"
+    )
+    third_party.add_argument(
+        "--only-third-party",
+        default=None,
+        help="only these locked third-party packages (comma-separated), for a machine that has"
+        " the others",
+    )
     parser.add_argument(
         "--with-torchtitan",
         action="store_true",
@@ -209,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     wheels = out / "wheels"
     build_wheels(wheels)
     if not args.no_third_party:
-        download(third_party_requirements(), wheels, args.python_version, "third_party.txt")
+        only = set(args.only_third_party.lower().split(",")) if args.only_third_party else None
+        download(third_party_requirements(only), wheels, args.python_version, "third_party.txt")
     if args.with_torchtitan:
         download(
             torchtitan_requirements(args.python_version), wheels, args.python_version,
