@@ -126,3 +126,25 @@ def test_smoke_trains_titan_and_runs_torchtitan_to_its_cuda_device(run_bench, tm
         else:
             assert "titan_over_torchtitan" not in row and row["titan"]["tokens_per_s"] > 0
     assert done.returncode == (0 if torch.cuda.is_available() else 1), said[-3000:]
+
+
+def test_the_readmes_bundle_for_the_lent_gpu_holds_what_its_image_lacks(tmp_path):
+    """bench/README.md's command for the lent H100 (its image has the other locked packages),
+    as shown but for the folder: the workspace's wheels, torchtitan's, and the four named."""
+    readme = (ROOT / "bench" / "README.md").read_text()
+    (command,) = [
+        line for line in readme.splitlines() if line.startswith("uv run python tools/gpu_bundle.py .gpu-bundle")
+    ]  # fmt: skip
+    argv = command.split()
+    argv[argv.index(".gpu-bundle")] = str(tmp_path / "gpu-bundle")
+    subprocess.run([sys.executable, *argv[3:]], cwd=ROOT, check=True, timeout=900)
+    wheels = sorted(
+        w.name.split("-")[0] for w in (tmp_path / "gpu-bundle" / "wheels").glob("*.whl")
+    )
+    others = [w for w in wheels if not w.startswith("titan_llm_")]
+    assert others == sorted([*TORCHTITAN_WHEELS, "datasets", "dill", "multiprocess", "torchao"])
+    assert len(wheels) - len(others) == 7
+    # Built for the machine's Python 3.12: the one compiled wheel among torchtitan's needs.
+    assert any(w.name.startswith("tomli-") and "cp312" in w.name for w in (tmp_path / "gpu-bundle" / "wheels").iterdir())  # fmt: skip
+    size = sum(f.stat().st_size for f in (tmp_path / "gpu-bundle").rglob("*") if f.is_file())
+    assert size < 32 * 2**20, size  # the machine takes 64 MiB with the checkout
