@@ -37,8 +37,9 @@ TFLOP/s | MFU M% | mem X GiB | ...` from `titan_trainer.metrics.format_line`) an
 median tokens/s and MFU over steps `--median-from` to `--steps` and the largest memory figure
 printed over them. The memory figures are each framework's own and are not the same measure:
 torchtitan prints the peak memory *reserved* by the CUDA caching allocator, Titan
-`torch.cuda.max_memory_allocated`. MFU is each framework's own count and peak (both count 6 x
-parameters + attention per token against the H100's 989 TFLOP/s dense bf16).
+`torch.cuda.max_memory_allocated`. MFU is each framework's own FLOP count per token and peak
+(an H100 SXM's dense bf16: 989 TFLOP/s in torchtitan, 989.4 in Titan); the ratio the target
+judges is of tokens/s, which both measure alike (tokens of the step over its wall time).
 
 The file (`--out`) starts with the machine; one line per run as it ends (command, exit status,
 seconds, the steps read, the medians, the output's tail when it failed; the whole output is in
