@@ -9,6 +9,7 @@
     uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
     uv run nox -s slow                     # tests marked slow (not in the default set)
     uv run nox -s tests-avx2               # the default tests as on an AVX2-only CPU
+    uv run nox -s vs-torchtitan            # bench/vs_torchtitan.py's CPU checks (torchtitan 0.2.2)
 
 Workspace sessions reuse the uv workspace environment (`uv run --frozen`) instead of building
 a venv of their own: torch is large and the lock already pins it. Isolated sessions build
@@ -265,6 +266,8 @@ def packaging(session: nox.Session) -> None:
         session,
         str(ROOT / "apps/trainer/tests/test_shipped_files.py"),
         str(ROOT / "tools"),
+        # Its own session (vs-torchtitan): a minute and a half, and torchtitan from PyPI.
+        f"--ignore={ROOT / 'tools' / 'test_vs_torchtitan.py'}",
         f"--junitxml={JUNIT / 'packaging'}.xml",
         "-q",
         *session.posargs,
@@ -344,7 +347,7 @@ def summary(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks (JSON lines on stdout). Not in the default set: timings need a quiet machine."""
     for script in sorted((ROOT / "bench").glob("*.py")):
-        if script.name == "gpu.py":  # its own session, bench-gpu
+        if script.name in ("gpu.py", "vs_torchtitan.py"):  # GPU only: bench-gpu, vs-torchtitan
             continue
         # The workspace's interpreter (nox's own: `uv run nox`): `uv run` would check the
         # workspace's sync once per script again.
@@ -367,6 +370,19 @@ def bench_gpu(session: nox.Session) -> None:
         *session.posargs,
         env={"PYTHONUNBUFFERED": "1", **os.environ},
     )
+
+
+@nox.session(name="vs-torchtitan", venv_backend="none")
+def vs_torchtitan(session: nox.Session) -> None:
+    """bench/vs_torchtitan.py (Titan against torchtitan 0.2.2) from a bundle made with
+    `tools/gpu_bundle.py --with-torchtitan`, as far as this machine takes it
+    (tools/test_vs_torchtitan.py: `--check`, and `--smoke`, which on a CPU trains Titan and runs
+    torchtitan to its CUDA device). Downloads torchtitan and its dependencies from PyPI. The
+    measurement itself, on a GPU machine: `bash gpu-bundle/run_vs_torchtitan.sh`."""
+    session.run(
+        "uv", "run", "--frozen", "pytest", str(ROOT / "tools" / "test_vs_torchtitan.py"), "-q",
+        f"--durations={DURATIONS}", *session.posargs, env=TEST_ENV,
+    )  # fmt: skip
 
 
 @nox.session(venv_backend="none")

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # Wheel file names carry the distribution names (titan-llm-*), normalised with underscores.
 WHEELS = ["titan_llm_ckpt", "titan_llm_core", "titan_llm_data", "titan_llm_float8",
@@ -58,3 +60,17 @@ def test_the_bundle_installs_without_dependencies_and_skips_every_gpu_test_with_
         "needs CUDA: compiled FlexAttention (Triton) and varlen flash attention run on a GPU only"
     }
     assert sum(int(c) for c, p, _ in skipped if p.endswith("test_gpu.py")) >= 16
+
+
+def test_only_third_party_takes_just_the_named_locked_packages_and_refuses_others(capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    from gpu_bundle import third_party_requirements
+
+    lines = third_party_requirements({"torchao", "datasets"})
+    assert sorted(line.split("==")[0] for line in lines) == ["datasets", "torchao"], lines
+    assert all(re.fullmatch(r"[a-z-]+==[\w.]+", line) for line in lines), lines  # pinned
+    with pytest.raises(SystemExit) as refused:
+        third_party_requirements({"torchao", "torch", "no-such-package"})
+    assert "--only-third-party names no-such-package, torch, which uv.lock does not hold" in str(
+        refused.value
+    )

@@ -78,7 +78,8 @@ def replay(schedule: list[list[int]]) -> torch.Tensor:
 
 
 class StepCounter:
-    """Extra state that travels with the model when a group heals: attempts made so far."""
+    """Extra state that travels with the model when a group heals: attempts made so far (the
+    training step, semi-synchronously)."""
 
     def __init__(self) -> None:
         self.attempts = 0
@@ -113,6 +114,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--semi-sync", default="", help="local_sgd or diloco: see run_semi_sync")
     p.add_argument("--sync-steps", type=int, default=1)
+    p.add_argument("--start-step", type=int, default=0, help="semi-sync: see run_semi_sync")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -164,7 +166,7 @@ def main(argv: list[str]) -> None:
             time.sleep(0.05)
         time.sleep(0.3)
     if args.semi_sync:
-        run_semi_sync(args, group, model, opt, rank, world, out)
+        run_semi_sync(args, group, model, opt, counter, rank, world, out)
         return
     with open(out / f"g{args.group}r{rank}i{args.incarnation}.jsonl", "w") as records:
         while True:
@@ -216,20 +218,33 @@ def main(argv: list[str]) -> None:
     os._exit(0)  # torchft's server threads need no orderly teardown
 
 
-def run_semi_sync(args, group, model, opt, rank: int, world: int, out: Path) -> None:
-    """`--steps` local steps on the group's own data, synchronised (`SemiSync`) every
-    `--sync-steps`; the final parameters of rank 0 to `<out>/g<group>i0.pt`."""
+def run_semi_sync(args, group, model, opt, counter, rank: int, world: int, out: Path) -> None:
+    """Local steps on the group's own data up to `--steps`, synchronised (`SemiSync`) every
+    `--sync-steps`; the step counter travels with the group's state, so a group that heals at a
+    synchronisation goes on from the step it received. The final parameters of rank 0, and
+    per synchronisation its steps before and after, whether it was applied, its group count,
+    whether this group healed and the weights after it, to `<out>/g<group>i0.pt`.
+
+    `--start-step N` starts at step N + 1 with the initial weights, as a group does after its
+    synchronisation at step N failed (DiLoCo goes back to the last synchronised weights, here
+    the initial ones, and the training step goes on)."""
     sync = SemiSync(group, model.parameters())
+    counter.attempts = args.start_step
     synced = []
-    for step in range(1, args.steps + 1):
+    while counter.attempts < args.steps:
+        counter.attempts += 1
+        step = counter.attempts
         x, y = batch(args.group, step - 1)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         opt.zero_grad()
         loss_fn(model, x, y).backward()
         opt.step()
         if sync.due(step):
-            synced.append((step, sync.sync(), group.participants()))
-    assert all(ok and n == args.groups for _, ok, n in synced), synced
+            healed = len(group.recoveries)
+            ok = sync.sync(step)
+            weights = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+            healed = len(group.recoveries) > healed
+            synced.append((step, counter.attempts, ok, group.participants(), healed, weights))
     if rank == 0:
         params = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
         torch.save({"params": params, "synced": synced}, out / f"g{args.group}i0.pt")

@@ -80,6 +80,7 @@ class Run:
         groups: int = GROUPS,
         ranks: int = 1,
         semi_sync: str = "",
+        ahead: int = 0,
     ):
         self.out, self.kill, self.groups, self.ranks = out, kill, groups, ranks
         self.restarted = None
@@ -110,6 +111,7 @@ class Run:
                 g,
                 "--barrier",
                 *([f"--kill-at={KILL_AT}"] if kill and g == GROUP_KILLED else []),
+                *([f"--start-step={ahead}"] if ahead and g == 0 else []),
             )
             for g in range(groups)
         }
@@ -207,6 +209,16 @@ def runs(tmp_path_factory):
         {
             "local_sgd": lambda: Run(base / "local_sgd", groups=2, semi_sync="local_sgd"),
             "diloco": lambda: Run(base / "diloco", groups=2, semi_sync="diloco"),
+            "diloco_behind": lambda: Run(
+                base / "diloco_behind", groups=2, semi_sync="diloco", ahead=SYNC_STEPS
+            ),
+            "diloco_behind_min2": lambda: Run(
+                base / "diloco_behind_min2",
+                groups=2,
+                semi_sync="diloco",
+                ahead=SYNC_STEPS,
+                min_replica_size=2,
+            ),
         },
     ):
         started = {name: start() for name, start in wave.items()}
@@ -377,9 +389,34 @@ def test_semi_sync_matches_its_single_process_replay(runs, method) -> None:
     expected = ft_worker.replay_semi_sync(method, 2, STEPS, SYNC_STEPS)
     for g in range(2):
         saved = torch.load(run.out / f"g{g}i0.pt")
-        assert [step for step, _, _ in saved["synced"]] == [3, 6]
+        # Both applied, with both groups, none healing, at steps 3 and 6.
+        assert [s[:5] for s in saved["synced"]] == [(3, 3, True, 2, False), (6, 6, True, 2, False)]
         torch.testing.assert_close(saved["params"], expected[g], rtol=REPLAY_RTOL, atol=1e-7)
     # Until the last synchronisation the groups agree; after it each took 2 steps on its own.
     assert not torch.equal(
         torch.load(run.out / "g0i0.pt")["params"], torch.load(run.out / "g1i0.pt")["params"]
     )
+
+
+@pytest.mark.parametrize("min_replica_size", [1, 2])
+def test_a_diloco_group_behind_the_others_heals_at_the_synchronisation(
+    runs, min_replica_size
+) -> None:
+    """Group 0 starts at step 4 with the initial weights, as after a synchronisation at step 3
+    that failed; group 1 at step 1, as one restarted from the checkpoint of the last applied
+    synchronisation (here the start). Neither has applied one, so torchft's own count is equal;
+    at group 1's first due step (3) group 0 is at its step 6. Group 1 receives group 0's state
+    and step there and ends the synchronisation with the same weights, where it used to
+    synchronise with group 0 three steps behind it (and, to the end, alone).
+
+    torchft does not count a healing group: where every group is required (min_replica_size 2
+    of 2) that synchronisation is not applied, and both groups go back to the last synchronised
+    weights, from the same step."""
+    run = runs["diloco_behind" if min_replica_size == 1 else "diloco_behind_min2"]
+    applied = min_replica_size == 1
+    ahead = torch.load(run.out / "g0i0.pt")["synced"]
+    behind = torch.load(run.out / "g1i0.pt")["synced"]
+    # (step, step after it, applied, groups counted, healed): the healing group is not counted.
+    assert [s[:5] for s in ahead] == [(6, 6, applied, 1, False)]
+    assert [s[:5] for s in behind] == [(3, 6, applied, 1, True)]
+    torch.testing.assert_close(ahead[0][5], behind[0][5], rtol=0, atol=0)  # received

@@ -158,7 +158,7 @@ def settle_semi_sync(replicas, sync, batches: StepBatches, state, attempted: int
     """The synchronisation after step `attempted` (a due step): run it, move the data on if this
     group received a later step from a live group, and say what a failed one means."""
     recovered = len(replicas.recoveries)
-    applied = sync.sync()
+    applied = sync.sync(attempted)
     batches.commit()
     if len(replicas.recoveries) > recovered:
         log.warning(

@@ -358,8 +358,9 @@ class SemiSync:
     A synchronisation that a failure interrupts is not applied anywhere: with local_sgd each group
     keeps its own weights and tries again at the next due step; with diloco every group goes back
     to the last synced weights (the local steps since are lost, as in DiLoCo). A group that heals
-    at a synchronisation receives the weights, optimizer states and this object's state (the last
-    synced weights and the outer momentum) from a live group, and ends it like the others.
+    at a synchronisation (restarted, or behind the others' step) receives the weights, optimizer
+    states and this object's state (the last synced weights and the outer momentum) from a live
+    group, and ends it like the others.
 
     torchft's own `LocalSGD` and `DiLoCo` hook the optimizer and count steps themselves; here the
     caller's step decides (so that a resumed or healed group synchronises at the same steps as
@@ -405,10 +406,24 @@ class SemiSync:
         return step % self.sync_steps == 0
 
     @torch.no_grad()
-    def sync(self) -> bool:
-        """Synchronise now (after the optimizer step of a due step), on every rank of every
-        group. Returns whether the synchronisation was applied."""
+    def sync(self, step: int) -> bool:
+        """Synchronise now, after the optimizer step of `step` (a due step), on every rank of
+        every group. Returns whether the synchronisation was applied.
+
+        A group whose step is behind the others' receives their state here (weights, optimizer,
+        this object's state, and whatever else the group's state holds: keep the step counter
+        there, so that the caller continues from the received step) and ends the
+        synchronisation like them."""
         group = self.group
+        # torchft heals a group whose step count is below the others'. Its own count is of
+        # applied synchronisations, which does not tell a lagging group apart: after a failed
+        # one (applied nowhere, every group keeps its training step) a group restarted from the
+        # checkpoint of the last applied one has the others' count and a training step
+        # sync_steps behind theirs, and would join them without healing, behind to the end.
+        # Counted from the training step instead, it heals.
+        group.load_state_dict(
+            {"step": step // self.sync_steps - 1, "batches_committed": group.batches_committed()}
+        )
         group.manager.start_quorum()  # no forward or backward runs: state reads may go on
         locals_ = [_local(p) for p in self.params]
         if self.method == "local_sgd":
