@@ -136,6 +136,9 @@ RUN_ELSEWHERE = {
             "uv run python bench/throughput.py --flavors debugmodel --dtype bfloat16 --steps 6 "
             '--variants "eager;--compile.enable"',
             "uv run python bench/throughput.py --flavors 100M --dtype float32 --steps 3 --warmup 1",
+            "uv run python bench/throughput.py --flavors debugmodel --dtype bfloat16 --seq-len 256 "
+            '--steps 12 --variants "default;--model.attention_backend auto;--model.attention_backend'
+            ' math"',
         ],
         "apps/trainer/tests/test_bench_commands.py::"
         "test_bench_readme_throughput_commands_run_at_toy_sizes",
