@@ -220,13 +220,13 @@ def choose_attention_backend(
     candidates: tuple[str, ...] | None = None,
 ) -> AttentionChoice:
     """Times causal attention forward + backward of this shape with each of the device's
-    candidate kernels (`candidates`: names of `ATTENTION_BACKENDS`, by default
-    `attention_candidates(device)`; the run that checks it can run the shape warms it up,
-    then `warmup` more untimed runs, then the median of `reps`, the device synchronised around each;
-    one run only for a kernel already twice as slow as the fastest so far) and returns them,
-    the fastest as `best`. A kernel that
-    cannot run the shape is skipped with its reason; when none can, a RuntimeError. The
-    result is kept per (shape, dtype, device, candidates)."""
+    candidate kernels and returns the timings, the fastest as `best`. `candidates`: names of
+    `ATTENTION_BACKENDS` (default `attention_candidates(device)`). The run that checks a
+    kernel can run the shape warms it up; then `warmup` more untimed runs and the median of
+    `reps` timed ones, the device synchronised around each (one timed run only for a kernel
+    already twice as slow as the fastest so far). A kernel that cannot run the shape is
+    skipped with its reason; when none can, a RuntimeError. The result is kept per (shape,
+    dtype, device, warmup, reps, candidates)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
