@@ -5,7 +5,8 @@ folder, the bench refuses to measure without a GPU (exit status 2), `--check` pa
 flavor while torchtitan gets as far as its CUDA device (torchtitan 0.2.2 cannot train on a CPU:
 see the bench's docstring); on a GPU both train and the row's ratio is written.
 
-Not in the default suite (about a minute and a half, and a download from PyPI):
+The first test runs in the default suite (the packaging session: bench/README.md's commands,
+about 15 s); all of them, `--check` and `--smoke` too (about a minute and a half), with
 
     uv run nox -s vs-torchtitan
 """
@@ -24,16 +25,30 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def readme_commands() -> tuple[list[str], list[str]]:
+    """bench/README.md's two commands: make the bundle (here), run it (on the GPU machine)."""
+    readme = (ROOT / "bench" / "README.md").read_text()
+    make, run = (
+        [line.split("#")[0].split() for line in readme.splitlines() if line.startswith(start)]
+        for start in ("uv run python tools/gpu_bundle.py", "bash gpu-bundle/run_vs_torchtitan.sh")
+    )
+    assert len(make) == len(run) == 1, (make, run)
+    return make[0], run[0]
+
+
 @pytest.fixture(scope="module")
 def run_bench(tmp_path_factory):
-    """Runs the bundle's run_vs_torchtitan.sh with the given arguments."""
+    """Runs the bundle's run_vs_torchtitan.sh with the given arguments; the bundle made by
+    bench/README.md's command as shown, but for its folder (a temporary one) and
+    `--no-third-party` (this environment has the locked packages already; tools/
+    test_gpu_bundle.py checks that part of a bundle)."""
+    make, _ = readme_commands()
     bundle = tmp_path_factory.mktemp("bundle") / "gpu-bundle"
+    argv = [str(bundle) if a == "gpu-bundle" else a for a in make]
+    assert argv[:3] == ["uv", "run", "python"] and str(bundle) in argv, make
     subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "gpu_bundle.py"), str(bundle), "--no-third-party",
-         "--with-torchtitan"],
-        check=True,
-        timeout=900,
-    )  # fmt: skip
+        [sys.executable, *argv[3:], "--no-third-party"], cwd=ROOT, check=True, timeout=900
+    )
     env = {**os.environ, "PYTHON": sys.executable, "PIP": "uv pip",
            "TITAN_TARGET": str(bundle.parent / "site"), "OMP_NUM_THREADS": "1"}  # fmt: skip
 
@@ -59,8 +74,13 @@ TORCHTITAN_WHEELS = ["docstring_parser", "einops", "tomli", "torchdata", "torcht
 def test_the_bundle_imports_torchtitan_from_its_wheels_and_the_bench_refuses_without_a_gpu(
     run_bench, tmp_path
 ):
+    """bench/README.md's two commands: the bundle holds torchtitan's wheels, and its script, as
+    shown (with `--out` in a temporary folder), imports torchtitan from them and refuses to
+    measure without a GPU."""
     wheels = sorted(w.name.split("-")[0] for w in (run_bench.bundle / "wheels").glob("*.whl"))
     assert [w for w in wheels if not w.startswith("titan_llm_")] == TORCHTITAN_WHEELS
+    _, (bash, script) = readme_commands()
+    assert (bash, script) == ("bash", "gpu-bundle/run_vs_torchtitan.sh")
     done = run_bench("--out", str(tmp_path / "out.jsonl"))
     said = done.stdout + done.stderr
     # torchtitan.train imported from the bundle's folder, beside this Python's torch.
@@ -126,25 +146,3 @@ def test_smoke_trains_titan_and_runs_torchtitan_to_its_cuda_device(run_bench, tm
         else:
             assert "titan_over_torchtitan" not in row and row["titan"]["tokens_per_s"] > 0
     assert done.returncode == (0 if torch.cuda.is_available() else 1), said[-3000:]
-
-
-def test_the_readmes_bundle_for_the_lent_gpu_holds_what_its_image_lacks(tmp_path):
-    """bench/README.md's command for the lent H100 (its image has the other locked packages),
-    as shown but for the folder: the workspace's wheels, torchtitan's, and the four named."""
-    readme = (ROOT / "bench" / "README.md").read_text()
-    (command,) = [
-        line for line in readme.splitlines() if line.startswith("uv run python tools/gpu_bundle.py .gpu-bundle")
-    ]  # fmt: skip
-    argv = command.split()
-    argv[argv.index(".gpu-bundle")] = str(tmp_path / "gpu-bundle")
-    subprocess.run([sys.executable, *argv[3:]], cwd=ROOT, check=True, timeout=900)
-    wheels = sorted(
-        w.name.split("-")[0] for w in (tmp_path / "gpu-bundle" / "wheels").glob("*.whl")
-    )
-    others = [w for w in wheels if not w.startswith("titan_llm_")]
-    assert others == sorted([*TORCHTITAN_WHEELS, "datasets", "dill", "multiprocess", "torchao"])
-    assert len(wheels) - len(others) == 7
-    # Built for the machine's Python 3.12: the one compiled wheel among torchtitan's needs.
-    assert any(w.name.startswith("tomli-") and "cp312" in w.name for w in (tmp_path / "gpu-bundle" / "wheels").iterdir())  # fmt: skip
-    size = sum(f.stat().st_size for f in (tmp_path / "gpu-bundle").rglob("*") if f.is_file())
-    assert size < 32 * 2**20, size  # the machine takes 64 MiB with the checkout

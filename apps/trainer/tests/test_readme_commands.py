@@ -143,6 +143,14 @@ RUN_ELSEWHERE = {
         "apps/trainer/tests/test_bench_commands.py::"
         "test_bench_readme_throughput_commands_run_at_toy_sizes",
     ),
+    **dict.fromkeys(
+        [
+            "uv run python tools/gpu_bundle.py gpu-bundle --python-version 3.12 --with-torchtitan",
+            "bash gpu-bundle/run_vs_torchtitan.sh",
+        ],
+        "tools/test_vs_torchtitan.py::"
+        "test_the_bundle_imports_torchtitan_from_its_wheels_and_the_bench_refuses_without_a_gpu",
+    ),
     "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7": (
         "apps/trainer/tests/test_bench_commands.py::test_bench_readme_ckpt_command_runs_at_toy_sizes"
     ),
