@@ -114,6 +114,20 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
     return layout
 
 
+def _buildable_meta_model(config: JobConfig, layout: Layout):
+    """The layout's model on the meta device, for the checks that read it; None when it cannot
+    be built (an unknown model or flavor, a multi-token-prediction depth the flavor refuses),
+    which the checks before and the preflight report."""
+    try:
+        spec = resolve(plugins.MODELS, config.model.name)
+        spec.flavors[config.model.flavor]
+    except (PluginError, KeyError):
+        return None
+    if mtp_problems(config, spec):
+        return None
+    return layout.meta_model()
+
+
 def _attention_backend_problems(config: JobConfig, layout: Layout) -> list[str]:
     """`[model] attention_backend` only steers causal attention, of layers that take it, and
     context parallel's ring attention only runs the fused kernels."""
@@ -133,15 +147,8 @@ def _attention_backend_problems(config: JobConfig, layout: Layout) -> list[str]:
             " keys and values for the fused kernels only\nuse attention_backend = 'auto',"
             " 'flash', 'cudnn' or 'efficient'"
         ]
-    try:
-        spec = resolve(plugins.MODELS, config.model.name)
-        spec.flavors[config.model.flavor]
-    except (PluginError, KeyError):
-        return []  # reported as such by the checks above
-    if mtp_problems(config, spec):
-        return []  # the model cannot be built with that depth: said by the preflight
-    model = layout.meta_model()
-    if any(hasattr(m, "sdpa_backend") for m in model.modules()):
+    model = _buildable_meta_model(config, layout)
+    if model is None or any(hasattr(m, "sdpa_backend") for m in model.modules()):
         return []
     return [
         f"[model] attention_backend = {backend!r}: {config.model.name} {config.model.flavor}"
@@ -205,16 +212,9 @@ def _expert_problems(config: JobConfig, layout: Layout) -> list[str]:
     dims = layout.dims
     if dims.ep == 1 and dims.tp == 1:
         return []
-    try:
-        spec = resolve(plugins.MODELS, config.model.name)
-        args = spec.flavors[config.model.flavor]
-    except (PluginError, KeyError):
-        return []  # reported as such by the checks above
-    if dims.ep == 1 and getattr(args, "moe", None) is None:
-        return []  # a dense flavor under TP: nothing to split here
-    if mtp_problems(config, spec):
-        return []  # the model cannot be built with that depth: said by the preflight
-    model = layout.meta_model()
+    model = _buildable_meta_model(config, layout)
+    if model is None or (dims.ep == 1 and not titan_parallel.moe_layers(model)):
+        return []  # a dense model under TP: nothing to split here
     problems = titan_parallel.expert_parallel_problems(model, ep=dims.ep, tp=dims.tp)
     if dims.tp > 1 and titan_parallel.moe_layers(model):
         problems += config.parallelism.expert_tp_problems(dims.tp)
@@ -366,15 +366,8 @@ def _tensor_parallel_problems(config: JobConfig, layout: Layout) -> list[str]:
     dims = layout.dims
     if not dims.tp_enabled:
         return []
-    try:
-        spec = resolve(plugins.MODELS, config.model.name)
-        spec.flavors[config.model.flavor]
-    except (PluginError, KeyError):
-        return []  # reported as such by the checks above
-    if mtp_problems(config, spec):
-        return []  # the model cannot be built with that depth: said by the preflight
-    model = layout.meta_model()
-    if not hasattr(model, "tp_plan"):
+    model = _buildable_meta_model(config, layout)
+    if model is None or not hasattr(model, "tp_plan"):
         return []  # parallelize names what the model lacks
     from titan_parallel.expert_parallel import tp_plan_overlaps
 
