@@ -30,6 +30,7 @@ torchtitan side by side; arguments go to it.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import shutil
 import subprocess
@@ -99,8 +100,9 @@ def build_wheels(wheels: Path) -> None:
     )  # fmt: skip
 
 
+@functools.cache
 def _export() -> str:
-    """The workspace's locked third-party requirements, pinned (uv export)."""
+    """The workspace's locked third-party requirements, pinned (uv export; once per run)."""
     return subprocess.run(
         ["uv", "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--no-dev",
          "--all-packages", "--all-extras", "--no-header", "--no-annotate"],
@@ -225,17 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
     wheels = out / "wheels"
-    build_wheels(wheels)
+    # What to download is resolved first: a package --only-third-party names wrongly is refused
+    # before the old folder is removed or the workspace's wheels are built.
+    downloads = {}
     if not args.no_third_party:
         only = set(args.only_third_party.lower().split(",")) if args.only_third_party else None
-        download(third_party_requirements(only), wheels, args.python_version, "third_party.txt")
+        downloads["third_party.txt"] = third_party_requirements(only)
     if args.with_torchtitan:
-        download(
-            torchtitan_requirements(args.python_version), wheels, args.python_version,
-            "torchtitan.txt",
-        )  # fmt: skip
+        downloads["torchtitan.txt"] = torchtitan_requirements(args.python_version)
+    shutil.rmtree(out, ignore_errors=True)
+    build_wheels(wheels)
+    for listing, requirements in downloads.items():
+        download(requirements, wheels, args.python_version, listing)
     copy_repo(out / "repo")
     (out / "gpu_test_files.txt").write_text(
         "".join(" ".join(group) + "\n" for group in gpu_test_files())
