@@ -183,12 +183,14 @@ def _assert_each_step_once(stdout: str) -> None:
 
 def _assert_killed_and_recovered(out: tuple[str, str]) -> int:
     """The killed group: torchrun saw SIGKILL and restarted it; it received a later step from
-    a live group. Returns that step."""
+    a live group. Returns that step: the last one it received (a group whose first step
+    started after the others' quorum formed also receives step 1 from them, before the kill;
+    seen once in CI)."""
     stdout, stderr = out
     assert "exitcode: -9" in stderr, stderr[-3000:]
-    m = re.search(r"replica group 1 received step (\d+) from a live replica group", stdout + stderr)
-    assert m, (stdout + stderr)[-4000:]
-    return int(m.group(1))
+    steps = re.findall(r"replica group 1 received step (\d+) from a live replica group", stdout + stderr)  # fmt: skip
+    assert steps, (stdout + stderr)[-4000:]
+    return int(steps[-1])
 
 
 def test_survivors_keep_stepping_and_the_restarted_group_catches_up(tmp_path, start_lighthouse):
