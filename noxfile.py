@@ -8,6 +8,7 @@
     uv run nox -s bench                    # benchmarks (not in the default set)
     uv run nox -s gpu                      # the GPU suite (tests marked gpu; one CUDA GPU)
     uv run nox -s slow                     # tests marked slow (not in the default set)
+    uv run nox -s cluster                  # the multi-node tests on a real SLURM test cluster
     uv run nox -s tests-avx2               # the default tests as on an AVX2-only CPU
     uv run nox -s vs-torchtitan            # bench/vs_torchtitan.py's CPU checks (torchtitan 0.2.2)
 
@@ -75,6 +76,7 @@ nox.options.sessions = [
     "packaging",
     *(f"isolated-{p}" for p in LIBRARIES),
     "tests-titan-trainer",
+    "cluster",
     "summary",
 ]
 nox.options.reuse_existing_virtualenvs = True
@@ -98,7 +100,12 @@ def _wheel(folder: Path, package: str) -> Path:
     return next(folder.glob(f"{_distribution(package).replace('-', '_')}-*.whl"))
 
 
-def _pytest_args(session: nox.Session, dist: str) -> list[str]:
+# Tests marked slow (the same check at a larger size) run in `nox -s slow`; those marked
+# cluster (a SLURM cluster started on this machine) in `nox -s cluster`.
+DEFAULT_MARKERS = "not slow and not cluster"
+
+
+def _pytest_args(session: nox.Session, dist: str, markers: str = DEFAULT_MARKERS) -> list[str]:
     JUNIT.mkdir(parents=True, exist_ok=True)
     return [
         str(ROOT / PACKAGES[dist] / "tests"),
@@ -106,9 +113,8 @@ def _pytest_args(session: nox.Session, dist: str) -> list[str]:
         "-q",
         # The slowest tests, so that CI time stays visible where it goes.
         f"--durations={DURATIONS}",
-        # Tests marked slow (the same check at a larger size) run in `nox -s slow`.
         "-m",
-        "not slow",
+        markers,
         *session.posargs,
     ]
 
@@ -336,6 +342,17 @@ for _dist in LIBRARIES:
 
 
 @nox.session(venv_backend="none")
+def cluster(session: nox.Session) -> None:
+    """The multi-node tests (marked `cluster`, apps/trainer/tests/test_cluster_*.py) on a real
+    SLURM cluster that they start on this machine with tools/slurm_cluster.py: slurmctld, and a
+    slurmd per node in the node's own network namespace. Needs root, network namespaces and
+    Debian's slurm-wlm and munge (`.ci/run` installs them where it runs as root); elsewhere each
+    test is reported skipped with the reason. Its files run side by side, one cluster each."""
+    args = [*_WORKERS, *_pytest_args(session, "titan-trainer", "cluster")]
+    session.run("uv", "run", "--frozen", "pytest", *args, "-rs", env=TEST_ENV)
+
+
+@nox.session(venv_backend="none")
 def summary(session: nox.Session) -> None:
     """Add up the test results of the sessions that ran before it, and list the slowest tests
     across all of them (tools/junit_summary.py); then clear the results for the next run."""
@@ -437,7 +454,7 @@ def tests_avx2(session: nox.Session) -> None:
     for dist in PACKAGES:
         session.run(
             "uv", "run", "--frozen", "pytest", *PARALLEL.get(dist, []),
-            str(ROOT / PACKAGES[dist] / "tests"), "-q", "-m", "not slow",
+            str(ROOT / PACKAGES[dist] / "tests"), "-q", "-m", DEFAULT_MARKERS,
             f"--durations={DURATIONS}", *session.posargs,
             env={**TEST_ENV, **AVX2_ENV, **inductor_cache},
             success_codes=[0, 5],  # 5: -k selected none here

@@ -37,7 +37,11 @@ FAMILY_JOBS = {
 }
 RUN_HERE = {MAIN_JOB, SHORT_JOB, RANGER21_JOB, FOUR_PROCESSES, MOE_JOB, *FAMILY_JOBS.values()}
 LAUNCH_8B = "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh"
-SBATCH_70B = "sbatch --nodes 8 apps/trainer/scripts/multinode.sbatch configs/llama3_70b.toml"
+SBATCH_70B = (
+    "sbatch --nodes 8 --gpus-per-node 8 apps/trainer/scripts/multinode.sbatch "
+    "configs/llama3_70b.toml"
+)
+CLUSTER_TESTS = "apps/trainer/tests/test_cluster_slurm.py::"
 RUN_ELSEWHERE = {
     # CI itself (.ci/run runs exactly this).
     "uv run nox": ".ci/run",
@@ -50,6 +54,26 @@ RUN_ELSEWHERE = {
     "test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_out_of_reach",
     SBATCH_70B: "apps/trainer/tests/test_readme_commands.py::"
     "test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_out_of_reach",
+    # On a real SLURM test cluster (tests marked `cluster`, `nox -s cluster`).
+    "sbatch --nodes 2 apps/trainer/scripts/multinode.sbatch debug_model --training.steps 10": (
+        f"{CLUSTER_TESTS}test_the_readme_slurm_command_trains_across_two_nodes_as_one_host_does"
+    ),
+    **dict.fromkeys(
+        [
+            f"NNODES=2 NODE_RANK={rank} MASTER_ADDR=10.0.0.1 apps/trainer/run_train.sh "
+            "--training.steps 10"
+            for rank in (0, 1)
+        ],
+        f"{CLUSTER_TESTS}test_run_train_sh_across_two_hosts_trains_as_one_host_does",
+    ),
+    **dict.fromkeys(
+        [
+            "python3 tools/slurm_cluster.py up --nodes 2",
+            "export SLURM_CONF=/tmp/titan-cluster/slurm.conf",
+            "python3 tools/slurm_cluster.py down",
+        ],
+        f"{CLUSTER_TESTS}test_the_readme_commands_start_and_stop_the_test_cluster",
+    ),
     "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh --training.steps 100": (
         "apps/trainer/tests/test_shipped_files.py::test_run_train_sh_finds_the_config_from_any_folder"
     ),
@@ -330,11 +354,16 @@ def test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_ou
     tools.mkdir()
     # sbatch runs a spooled copy of the script in the folder it was submitted from; srun is
     # recorded (it must never be reached here).
+    # (--nodes N --gpus-per-node G script ...: a whole node's GPUs, as SLURM says them).
     (tools / "sbatch").write_text(
-        "#!/usr/bin/env bash\nset -e\nnodes=$2; script=$3; shift 3\n"
+        "#!/usr/bin/env bash\nset -e\nnodes=$2; gpus=$4; script=$5; shift 5\n"
         'mkdir -p "$SPOOL"; cp "$script" "$SPOOL/slurm_script"\n'
-        "SLURM_NNODES=$nodes SLURM_SUBMIT_DIR=$PWD SLURM_JOB_ID=7 SLURM_JOB_NODELIST=n[1-8] "
-        'exec bash "$SPOOL/slurm_script" "$@"\n'
+        "SLURM_NNODES=$nodes SLURM_GPUS_ON_NODE=$gpus SLURM_SUBMIT_DIR=$PWD SLURM_JOB_ID=7 "
+        'SLURM_JOB_NODELIST=n[1-8] exec bash "$SPOOL/slurm_script" "$@"\n'
+    )
+    (tools / "scontrol").write_text(
+        '#!/usr/bin/env bash\nif [ "$1 $2" = "show node" ]; then echo "NodeName=$3 NodeAddr=10.1.2.3";'
+        " else for i in 1 2 3 4 5 6 7 8; do echo n$i; done; fi\n"
     )
     (tools / "srun").write_text('#!/usr/bin/env bash\necho "$@" >> "$SPOOL/srun"\n')
     for tool in tools.iterdir():

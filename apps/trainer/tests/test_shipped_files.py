@@ -133,9 +133,15 @@ def _launch(script: str, args: list[str], cwd: Path, tmp_path: Path, **env: str)
         f'elif [[ " $* " == *" --check "* ]]; then echo "$@" > "$RECORD.check"; exit 0;\n'
         f'else exec {sys.executable} "$@"; fi',
     )
-    _recorder(tools, "scontrol", "echo node1; echo node2; exit 0")
-    # srun runs `hostname --ip-address` on the head node first, then torchrun on every node.
-    _recorder(tools, "srun", 'if [[ " $* " == *" hostname "* ]]; then echo 10.1.2.3; exit 0; fi')
+    # SLURM's node list, and the first node's address as SLURM reaches it (NodeAddr).
+    _recorder(
+        tools,
+        "scontrol",
+        'if [ "$1 $2" = "show node" ]; then echo "NodeName=$3 NodeAddr=10.1.2.3 NodeHostName=$3";'
+        " else echo node1; echo node2; fi; exit 0",
+    )
+    # srun starts titan_trainer.launch on every node.
+    _recorder(tools, "srun")
     record = tmp_path / "launched"
     for old in (record, Path(f"{record}.check")):
         old.unlink(missing_ok=True)
@@ -206,6 +212,9 @@ def test_multinode_sbatch_resolves_the_config_in_the_submission_folder(tmp_path)
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_NNODES": "2",
         "SLURM_JOB_ID": "42",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_CPUS_ON_NODE": "96",
+        "TMPDIR": str(tmp_path),
     }
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -219,10 +228,20 @@ def test_multinode_sbatch_resolves_the_config_in_the_submission_folder(tmp_path)
         **slurm,
     )
     assert done.returncode == 0, done.stderr
-    assert Path(launched[0]).name == "python-recorded"  # PYTHON, the same path on every node
-    assert launched[1:4] == ["-m", "torch.distributed.run", "--nnodes"]  # torchrun, per node
+    at = launched.index("-m")
+    assert Path(launched[at - 1]).name == "python-recorded"  # PYTHON, the same path everywhere
+    assert "--kill-on-bad-exit=1" in launched[:at] and "--cpus-per-task=96" in launched[:at]
+    # Each node's launcher, a process per GPU SLURM gave the node, the rendezvous at the first
+    # node's address as SLURM knows it.
+    assert launched[at + 1 : at + 6] == [
+        "titan_trainer.launch", "--nnodes", "2", "--nproc-per-node", "8"
+    ]  # fmt: skip
+    assert launched[launched.index("--master-addr") + 1] == "10.1.2.3"
+    assert launched[launched.index("--node-names") + 1] == "node1,node2"
     assert _config_arg(launched) == str(shipped_configs()["llama3_70b"].resolve())
-    assert "10.1.2.3:29500" in launched and launched[-2:] == ["--training.steps", "10"]
+    assert launched[-2:] == ["--training.steps", "10"]
+    # The checks ran once, for the job's 2 x 8 processes, before any node started a rank.
+    assert "2 node(s) x 8 process(es) (the GPUs SLURM gave each node) = 16" in done.stderr
     # A user's own TOML, relative to the submission folder, arrives as an absolute path.
     (submitted_from / "ours.toml").write_text("[training]\nsteps = 2\n")
     done, launched = _launch("scripts/multinode.sbatch", ["ours.toml"], spool, tmp_path, **slurm)

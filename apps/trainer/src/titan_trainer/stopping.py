@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import signal
 
+import torch
+import torch.distributed as dist
+
 from titan_core import get_logger
 from titan_trainer.run import Run, TrainResult
 
@@ -56,6 +59,45 @@ class StopRequest:
             signal.signal(signal.SIGTERM, lambda *_: None)
             return
         signal.signal(signal.SIGTERM, self._previous)
+
+
+class StopAgreement:
+    """Every rank stops at the same step. A SIGTERM reaches a job's ranks at slightly different
+    moments (each node's slurmstepd or torchrun delivers its own), and a rank that stopped to
+    save while another went on into the next step would leave both waiting on collectives that
+    never match. So each step every rank posts whether it was asked to stop: an all-reduce of
+    one number, on a CPU group of its own (nothing else runs on it, so no background save's
+    collectives can interleave), started without waiting. Its result is read at the end of the
+    next step, when it has long arrived: the job stops one step after the first rank was asked,
+    every rank at that step, and no step waits for it. One process decides alone, at once."""
+
+    def __init__(self, world_size: int) -> None:
+        self.group = None
+        if world_size > 1 and dist.is_initialized() and dist.get_backend() != "fake":
+            self.group = dist.new_group(backend="gloo")
+        self._flag: torch.Tensor | None = None
+        self._work = None
+
+    def poll(self, requested: bool) -> bool:
+        """Once per step, on every rank: whether every rank stops after this step."""
+        if self.group is None:
+            return requested
+        decided = False
+        if self._work is not None:
+            self._work.wait()
+            decided = bool(self._flag.item())
+        self._flag = torch.tensor([int(requested)], dtype=torch.int32)
+        self._work = dist.all_reduce(
+            self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+        )
+        return decided
+
+    def close(self, *, after_error: bool) -> None:
+        """The last step's post has to arrive before the group goes. After an error a peer
+        may be gone: it is left."""
+        if self._work is not None and not after_error:
+            self._work.wait()
+        self._work = None
 
 
 def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:

@@ -57,7 +57,13 @@ from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
 from titan_trainer.restarts import note_torchrun_restart
 from titan_trainer.run import Run, TrainResult, TrainState, shared_run_id
 from titan_trainer.step import accumulation_steps, train_step
-from titan_trainer.stopping import StopRequest, close_run, save_if_due, write_seed_checkpoint
+from titan_trainer.stopping import (
+    StopAgreement,
+    StopRequest,
+    close_run,
+    save_if_due,
+    write_seed_checkpoint,
+)
 from titan_trainer.validate import Validator
 from titan_trainer.window import MetricWindow, log_window, open_window, validate
 
@@ -264,6 +270,7 @@ def run_steps(run: Run) -> TrainResult:
     guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
     batches = run.coordinator.batches(iter(run.loader), accum)
     start_step = state.step
+    agreement = StopAgreement(run.info.world_size)
     stopped_by, failed = None, False
     gc.disable()
     try:
@@ -290,8 +297,10 @@ def run_steps(run: Run) -> TrainResult:
                     run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
                     guard, state.step, coordinator=run.coordinator,
                 )  # fmt: skip
-                if not run.coordinator.settle(state, outcome.committed):
-                    if stop.requested:  # discarded, then preempted: save the step before it
+                stands = run.coordinator.settle(state, outcome.committed)
+                stopping = agreement.poll(stop.requested)
+                if not stands:
+                    if stopping:  # discarded, then preempted: save the step before it
                         stopped_by = "SIGTERM"
                         save_if_due(run, last=False, preempted=True)
                         break
@@ -308,7 +317,7 @@ def run_steps(run: Run) -> TrainResult:
                     validate(run, window, validator)
                 if profile_step is not None:
                     profile_step()
-                if stop.requested:
+                if stopping:
                     state.losses.extend(row[1] for row in guard.read())
                     stopped_by = "SIGTERM"
                 save_if_due(run, last=last, preempted=stopped_by is not None)
@@ -326,6 +335,7 @@ def run_steps(run: Run) -> TrainResult:
         failed = True
         raise
     finally:
+        agreement.close(after_error=failed)
         gc.enable()
         window.metrics.close()
         close_run(run, after_error=failed)

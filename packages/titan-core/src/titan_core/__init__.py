@@ -47,6 +47,7 @@ from titan_core.init import ParamInit, init_from_plan_, init_parameter_
 from titan_core.log import get_logger, init_logging
 from titan_core.memory import MemoryMonitor, MemoryStats
 from titan_core.messages import first_line, shortlist
+from titan_core.network import interface_towards, point_gloo_at
 from titan_core.parallel_dims import ParallelDims, dp_coordinates
 from titan_core.plugins import PluginError, available, resolve
 from titan_core.protocols import (
@@ -85,6 +86,8 @@ from titan_core.seed import set_seed
 __version__ = importlib.metadata.version("titan-llm-core")  # the pyproject's version, one source
 
 __all__ = [
+    "interface_towards",
+    "point_gloo_at",
     "DEVICE_MEMORY_GIB",
     "ParamInit",
     "device_memory_gib",

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from titan_core.compat import note_missing
 from titan_core.device import local_device, process_group_backend
+from titan_core.network import point_gloo_at
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ def init_distributed(
             )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size > 1 and os.environ.get("MASTER_ADDR"):
+        # Ranks on other hosts reach this one over the interface that reaches the rendezvous
+        # host, not over the address this host's name resolves to (127.0.1.1 on Debian).
+        point_gloo_at(os.environ["MASTER_ADDR"])
     device = local_device(device_type)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_seconds)

@@ -29,13 +29,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_core import ConfigError
+from titan_core import ConfigError, point_gloo_at
 
 logger = logging.getLogger(__name__)
 
@@ -204,16 +205,22 @@ class ReplicaGroup:
         self.recoveries: list[int] = []
         """The steps at which this group received its state from a live group."""
         timeout = timedelta(milliseconds=config.process_group_timeout_ms)
-        if torch.device(device).type == "cuda":
-            pg = torchft.ProcessGroupNCCL(timeout=timeout)
-        else:
-            pg = torchft.ProcessGroupGloo(timeout=timeout)
         lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         if not lighthouse:
             raise ConfigError(
                 "no lighthouse: set [fault_tolerance] lighthouse or TORCHFT_LIGHTHOUSE to the"
                 " address of a running `torchft_lighthouse` (http://host:port)"
             )
+        if torch.device(device).type == "cuda":
+            pg = torchft.ProcessGroupNCCL(timeout=timeout)
+        else:
+            # The groups meet over gloo across hosts: on the interface that reaches the
+            # lighthouse, not the one the host's name resolves to (127.0.1.1 on Debian).
+            interface = point_gloo_at(urlsplit(lighthouse).hostname or "")
+            if interface:
+                logger.info("replica groups meet over %s (GLOO_SOCKET_IFNAME), the interface"
+                         " that reaches the lighthouse", interface)  # fmt: skip
+            pg = torchft.ProcessGroupGloo(timeout=timeout)
         self._store = None
         if store_addr is None and "MASTER_ADDR" not in os.environ:
             # A group of one process, not started by torchrun: it keeps its own store.
