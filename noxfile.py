@@ -347,8 +347,11 @@ def cluster(session: nox.Session) -> None:
     SLURM cluster that they start on this machine with tools/slurm_cluster.py: slurmctld, and a
     slurmd per node in the node's own network namespace. Needs root, network namespaces and
     Debian's slurm-wlm and munge (`.ci/run` installs them where it runs as root); elsewhere each
-    test is reported skipped with the reason. Its files run side by side, one cluster each."""
-    args = [*_WORKERS, *_pytest_args(session, "titan-trainer", "cluster")]
+    test is reported skipped with the reason. Its three files run side by side, one cluster
+    each: much of a cluster test is waiting (on SLURM, on a timeout it checks), so three
+    workers share two cores well."""
+    workers = ["-n", "3", "--dist", "loadfile"]
+    args = [*workers, *_pytest_args(session, "titan-trainer", "cluster")]
     session.run("uv", "run", "--frozen", "pytest", *args, "-rs", env=TEST_ENV)
 
 

@@ -123,6 +123,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_tag() -> str:
+    """Five hex digits that no bridge here is named with (the names of a cluster's bridge,
+    veth pairs and namespaces carry it; an interface name holds at most 15 characters)."""
+    links = _sh("ip", "-o", "link", "show").stdout
+    while True:
+        tag = os.urandom(3).hex()[:5]
+        if f"tbr{tag}" not in links:
+            return tag
+
+
 def _free_subnet() -> str:
     """A 10.x.y.0/24 that no interface of this machine has."""
     used = _sh("ip", "-o", "-4", "addr", "show").stdout
@@ -157,10 +167,10 @@ def up(
     Path(folder, "munge.key").unlink(missing_ok=True)
     os.makedirs(folder, exist_ok=True)
     names = [f"n{i}" for i in range(1, nodes + 1)]
-    tag = f"{os.getpid() % 100000:05d}"
-    # Clusters started side by side (one per test worker) take their subnets in turn.
+    # Clusters started side by side (one per test worker) take their names and subnets in turn.
     lock = open(LOCK, "w")  # noqa: SIM115  (held until the bridge has its address)
     fcntl.flock(lock, fcntl.LOCK_EX)
+    tag = _free_tag()
     subnet = _free_subnet()
     cluster = Cluster(
         dir=folder,

@@ -100,13 +100,14 @@ def wait_for_job(cluster: slurm_cluster.Cluster, job: int, timeout: float = 600)
 
 
 def wait_for_line(
-    path: Path, pattern: str, timeout: float = 300, poll: float = 0.2, procs=()
+    path: Path, pattern: str, timeout: float = 300, poll: float = 0.2, procs=(), after: int = 0
 ) -> re.Match:
-    """Wait until `path` (a job's output, a rank's log) has a line matching `pattern`; give up
-    at once when one of `procs` (what writes it) has ended."""
+    """Wait until `path` (a job's output, a rank's log) has a line matching `pattern` (in what
+    it holds from character `after` on); give up at once when one of `procs` (what writes it)
+    has ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and (found := re.search(pattern, path.read_text())):
+        if path.exists() and (found := re.search(pattern, path.read_text()[after:])):
             return found
         if any(p.poll() is not None for p in procs):
             break

@@ -157,8 +157,8 @@ def test_hsdp_and_pipeline_parallel_across_nodes_equal_one_process(
     for name, (variables, args) in layouts.items():
         folder = submission_folder(tmp_path / name)
         job = sbatch(
-            ["sbatch", "--nodes", "2", "apps/trainer/scripts/multinode.sbatch", *common,
-             "--job.dump_folder", "outputs/run", *args],
+            ["sbatch", "--nodes", "2", "apps/trainer/scripts/multinode.sbatch", "debug_model",
+             *common[2:], "--job.dump_folder", "outputs/run", *args],
             folder, job_env(cluster, **variables),
         )  # fmt: skip
         # One job at a time on the two nodes (the script asks for whole nodes).

@@ -400,6 +400,7 @@ def _cases(world: int) -> dict:
         cases[f"block_causal_{layout}"] = (train_case, (world, "llama_untied", layout, True))
     cases["device_check"] = (device_check_case, (world,))
     cases["host_memory"] = (host_memory_case, (world,))
+    cases["stop_agreement"] = (stop_agreement_case, (world,))
     for layout in GROUP_LAYOUTS:
         cases[f"param_groups_{layout}"] = (param_groups_case, (world, layout))
     return cases
@@ -412,6 +413,20 @@ def host_memory_case(world: int) -> dict:
 
     need = RankNeed(state=(dist.get_rank() + 1) * 2**30, activations=None)
     return {"needs": [n.state for n in host_needs(need, torch.device("cpu"))]}
+
+
+def stop_agreement_case(world: int) -> dict:
+    """Six steps of the train loop's stop agreement; rank 1 alone is asked to stop during step
+    3 (its flag stays up, as a SIGTERM's does): the step after which each rank stops."""
+    from titan_trainer.stopping import StopAgreement
+
+    agreement = StopAgreement(world)
+    decisions = [agreement.poll(dist.get_rank() == 1 and step >= 3) for step in range(1, 7)]
+    agreement.close(after_error=False)
+    stops = [step for step, stop in enumerate(decisions, 1) if stop]
+    every = [None] * world
+    dist.all_gather_object(every, stops)
+    return {"stops_after": every}
 
 
 def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
@@ -543,6 +558,13 @@ def test_the_memory_check_adds_up_the_needs_of_every_rank_on_the_host(results):
     got = results["host_memory"]
     assert "error" not in got, got.get("error")
     assert got["needs"] == [r * 2**30 for r in range(1, 5)]
+
+
+def test_a_stop_asked_of_one_rank_stops_every_rank_after_the_same_step(results):
+    # Rank 1's flag goes up in step 3; every rank reads it at the end of step 4 (a step later:
+    # the all-reduce was not waited for) and stops there, and at every later step.
+    assert "error" not in results["stop_agreement"], results["stop_agreement"]
+    assert results["stop_agreement"]["stops_after"] == [[4, 5, 6]] * 4  # ranks 0 to 3
 
 
 @pytest.mark.parametrize("layout", list(GROUP_LAYOUTS))
