@@ -25,7 +25,8 @@ and stopped by `down` (by pid and by name; nothing of the machine's own is touch
 Other commands: `run NODE -- CMD` runs a command on a node (in its namespaces), `cut NODE`
 takes a node's link down (a lost node: its processes keep running, unreachable), `heal NODE`
 brings it back, `status` prints what `sinfo` says. Everything the cluster writes (config,
-logs, state, spool folders) lies under `--dir`. The test fixture in
+logs, state) lies under `--dir`, but for the slurmd spool folders, which hold Unix sockets whose
+paths must stay short: /tmp/tsl-<tag>/. The test fixture in
 apps/trainer/tests/cluster.py drives this same module.
 """
 
@@ -74,6 +75,12 @@ class Cluster:
     @property
     def bridge_address(self) -> str:
         return f"{self.subnet}.1"
+
+    @property
+    def spool(self) -> str:
+        """The slurmds' spool folders' parent: a short path, as their sockets need (108 bytes
+        at most on Linux; a test's temporary folder can be longer)."""
+        return f"/tmp/tsl-{self.tag}"
 
     def namespace(self, node: str) -> str:
         return f"titan-{self.tag}-{node}"
@@ -234,7 +241,7 @@ def _make_network(cluster: Cluster, hosts: str) -> None:
 
 def _write_conf(cluster: Cluster, cpus: int, gpus: int, slurmd_timeout: int, extra: str) -> None:
     d = cluster.dir
-    for sub in ("state", "spool", "log"):
+    for sub in ("state", "log"):
         os.makedirs(os.path.join(d, sub), exist_ok=True)
     gres = f" Gres=gpu:{gpus}" if gpus else ""
     node_lines = "\n".join(
@@ -250,11 +257,11 @@ SlurmdPort={cluster.slurmd_port}
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={d}/munge.socket
+AuthInfo=socket={cluster.spool}/munge.socket
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/%n
+SlurmdSpoolDir={cluster.spool}/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/spool/slurmd-%n.pid
+SlurmdPidFile={cluster.spool}/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
@@ -279,7 +286,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
     )
     Path(d, "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
     for node in cluster.nodes:
-        os.makedirs(os.path.join(d, "spool", node), exist_ok=True)
+        os.makedirs(os.path.join(cluster.spool, node), exist_ok=True)
     if gpus:  # empty files stand in for the devices: SLURM schedules them and says how many
         dev = Path(d, "dev")
         dev.mkdir(exist_ok=True)
@@ -294,7 +301,7 @@ def _start_munge(cluster: Cluster) -> None:
     key.chmod(0o400)
     d = cluster.dir
     _sh(
-        "munged", "--force", f"--socket={d}/munge.socket", f"--key-file={key}",
+        "munged", "--force", f"--socket={cluster.spool}/munge.socket", f"--key-file={key}",
         f"--pid-file={d}/munged.pid", f"--log-file={d}/log/munged.log",
         f"--seed-file={d}/munged.seed",
     )  # fmt: skip
@@ -442,6 +449,7 @@ def down(folder: str | os.PathLike) -> None:
         _sh("ip", "netns", "del", ns, check=False)
         shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
     _sh("ip", "link", "del", cluster.bridge, check=False)
+    shutil.rmtree(cluster.spool, ignore_errors=True)
     path.unlink()
 
 

@@ -130,12 +130,14 @@ def test_hsdp_and_pipeline_parallel_across_nodes_equal_one_process(
     on n1, 2-3 on n2: the shard groups stay within a node), and a pipeline whose two stages
     are on different nodes, each against one process with the same global batch (8 samples,
     every sample the same document, so that no layout can change a batch)."""
-    common = fp32_args(
-        ["--job.config_file", "debug_model", "--training.seq_len", "128",
-         "--metrics.log_freq", "1", "--metrics.save_plots_folder", "",
-         "--metrics.enable_tensorboard", "true"],
-        same_doc_dataset,
-    )  # fmt: skip
+    common = [
+        *fp32_args(
+            ["--job.config_file", "debug_model", "--training.seq_len", "128",
+             "--metrics.log_freq", "1", "--metrics.save_plots_folder", ""],
+            same_doc_dataset,
+        ),
+        "--metrics.enable_tensorboard", "true",  # the losses at full precision
+    ]  # fmt: skip
     reference = start_cli(
         [*common, "--job.dump_folder", str(tmp_path / "one"), "--training.local_batch_size", "8"]
     )
