@@ -174,9 +174,9 @@ def test_hsdp_and_pipeline_parallel_across_nodes_equal_one_process(
     assert sorted(one) == list(range(1, 5)), one
     hsdp_out, hsdp = runs["hsdp"]
     assert "2 node(s) x 2 process(es) (NPROC_PER_NODE) = 4" in hsdp_out
-    assert "dp_replicate 2 | dp_shard 2" in hsdp_out, hsdp_out[-3000:]
+    assert "4 processes on cpu | dp_replicate 2 x dp_shard 2 |" in hsdp_out, hsdp_out[-3000:]
     pp_out, pp = runs["pp"]
-    assert "pp 2" in pp_out, pp_out[-3000:]
+    assert "2 processes on cpu | pp 2 |" in pp_out, pp_out[-3000:]
     for name, got in (("hsdp", hsdp), ("pp", pp)):
         assert sorted(got) == sorted(one), (name, got)
         for step, loss in one.items():
