@@ -85,6 +85,23 @@ def scontrol(cluster, *args: str) -> str:
     return done.stdout
 
 
+def late_python(path: Path, node: str, seconds: int, env: dict[str, str]) -> Path:
+    """A PYTHON for the SLURM script (its documented variable) that, on `node`, waits
+    `seconds` before starting the node's launcher: a node slow to come up (a cold file system,
+    a late mount). Everything else runs at once, with the workspace's interpreter."""
+    python = subprocess.run(
+        ["uv", "run", "--quiet", "--project", env["UV_PROJECT"], "python", "-c",
+         "import sys; print(sys.executable)"], env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    path.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$(hostname)" = {node} ] && [ "$2" = titan_trainer.launch ]; then sleep {seconds}; fi\n'
+        f'exec {python} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
 def sigterm_saves(out: str) -> set[tuple[str, int]]:
     """(rank, step) of every rank's 'SIGTERM: saving a full checkpoint at step N'."""
     found = re.findall(r"\[rank(\d+)\][^\n]*SIGTERM: saving a full checkpoint at step (\d+)", out)
@@ -191,17 +208,7 @@ def test_a_lost_node_ends_the_job_on_every_node_and_a_resubmission_resumes_bit_e
     assert layout.is_complete(checkpoints / "step-3")
 
     # Resubmitted; n2's launcher starts 15 s late (a node slow to come up): the others wait.
-    slow = tmp_path / "slow-python"
-    python = subprocess.run(
-        ["uv", "run", "--quiet", "--project", env["UV_PROJECT"], "python", "-c",
-         "import sys; print(sys.executable)"], env=env, capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    slow.write_text(
-        "#!/bin/sh\n"
-        'if [ "$(hostname)" = n2 ] && [ "$2" = titan_trainer.launch ]; then sleep 15; fi\n'
-        f'exec {python} "$@"\n'
-    )
-    slow.chmod(0o755)
+    slow = late_python(tmp_path / "slow-python", "n2", 15, env)
     job = sbatch(small_job(3), folder, {**env, "PYTHON": str(slow)})
     assert wait_for_job(cluster, job) == "COMPLETED", output(folder, job)[-4000:]
     out = output(folder, job)
@@ -217,18 +224,8 @@ def test_a_node_that_never_arrives_is_named_and_the_job_ends(cluster, tmp_path):
     """n2's launcher never starts (it hangs before it, as on a node whose file system stalls):
     after RDZV_TIMEOUT the head node names n2, no rank starts anywhere, and the job ends."""
     folder = submission_folder(tmp_path / "submit")
-    hang = tmp_path / "hanging-python"
     env = job_env(cluster, RDZV_TIMEOUT="10")
-    python = subprocess.run(
-        ["uv", "run", "--quiet", "--project", env["UV_PROJECT"], "python", "-c",
-         "import sys; print(sys.executable)"], env=env, capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    hang.write_text(
-        "#!/bin/sh\n"
-        'if [ "$(hostname)" = n2 ] && [ "$2" = titan_trainer.launch ]; then sleep 600; fi\n'
-        f'exec {python} "$@"\n'
-    )
-    hang.chmod(0o755)
+    hang = late_python(tmp_path / "hanging-python", "n2", 600, env)
     started = time.monotonic()
     job = sbatch(["sbatch", "--nodes", "2", SCRIPT, "debug_model", "--training.steps", "2"],
                  folder, {**env, "PYTHON": str(hang)})  # fmt: skip
