@@ -18,7 +18,8 @@ from titan_trainer.data import dataset_problems, tokenizer_problems
 from titan_trainer.fault_tolerance import fault_tolerance_problems
 from titan_trainer.layout import Layout
 from titan_trainer.logs import rank_problems
-from titan_trainer.param_groups import group_preflight_problems, resumed_checkpoint
+from titan_trainer.param_groups import group_preflight_problems
+from titan_trainer.resume_check import resume_problems, resumed_checkpoint
 
 
 @dataclass
@@ -68,6 +69,7 @@ def preflight(
         return Preflight(problems + mtp, notes, vocab_size, layout)
     problems += _pipeline_problems(config, layout, notes)
     problems += _param_group_problems(config, layout)
+    problems += resume_problems(config, layout, shapes=not dry_run)
     problems += _attention_problems(config, layout)
     problems += _context_parallel_problems(config, layout)
     if not dry_run:

@@ -42,6 +42,7 @@ from titan_ckpt.errors import (
     failure_reason,
     first_line,
     os_error,
+    state_mismatch,
 )
 from titan_ckpt.hf import DTYPES, export_hf
 from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
@@ -554,6 +555,12 @@ class CheckpointManager:
         try:
             self._read(request, path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - falls back to an older one
+            mismatch = state_mismatch(e)
+            if mismatch is not None:  # older checkpoints of this run were saved the same way
+                raise CheckpointLoadError(
+                    f"checkpoint {path} does not fit this run: {mismatch}\nnothing is wrong"
+                    f" with the checkpoints in {self.folder}: they were left in place"
+                ) from e
             touched.update(name for name in request if name in ("model", "optimizer"))
             corrupt = corrupt_data(e)
             if corrupt is not None:  # found by the checksums while reading

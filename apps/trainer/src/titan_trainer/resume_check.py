@@ -1,0 +1,168 @@
+"""What the checkpoint a run resumes from was saved with, against the run: checked before any
+process group, so that a changed setting is named as such instead of every healthy
+checkpoint being tried, failed and reported as "not usable".
+
+Two kinds of setting decide whether a checkpoint loads. The model's (`[model] name`, `flavor`,
+`n_mtp_layers`, the tokenizer's vocabulary) fix the shapes of its weights: the checkpointer's
+`check_loadable` compares every tensor's name and global shape with this run's model on the
+meta device, and the saved `config.toml` says which setting made them differ. The data's
+(`[training] seq_len`, the global batch size, `dataset`) fix the global sample order that the
+saved data position counts in: a changed one cannot be resumed in that order, but the weights
+and the optimizer still load with `exclude_from_loading = ["dataloader"]`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from titan_core import ConfigError, load_config, plugins, resolve
+
+MODEL_KEYS = ("model.name", "model.flavor", "model.n_mtp_layers")
+"""Settings that change the shapes or names of the model's weights."""
+DATA_KEYS = ("training.seq_len", "training.dataset")
+"""Settings that fix the global sample order a saved data position counts in, with the global
+batch size (compared as the number of samples it comes to: -1 is local x data-parallel)."""
+
+
+def resumed_checkpoint(config) -> Path | None:
+    """The folder of the checkpoint whose state this run would load (a full one: model-only
+    saves do not resume a run), or None."""
+    from titan_ckpt import layout
+    from titan_ckpt.preflight import checkpoint_folder
+
+    ckpt = config.checkpoint
+    if not ckpt.enable and not ckpt.initial_load_path:
+        return None
+    full = []
+    for step, path in layout.committed(checkpoint_folder(ckpt, config.job.dump_folder)):
+        try:
+            if not layout.read_commit(path).get("model_only"):
+                full.append((step, path))
+        except (OSError, ValueError):
+            continue  # unreadable: the load reports it
+    if ckpt.load_step != -1:
+        full = [(s, p) for s, p in full if s == ckpt.load_step]
+    if full:
+        return full[-1][1]
+    if ckpt.initial_load_path and not (ckpt.initial_load_model_only or ckpt.initial_load_in_hf):
+        return Path(ckpt.initial_load_path)
+    return None
+
+
+def saved_config(path) -> Any | None:
+    """The config a checkpoint was saved with (its `config.toml`), or None when it has none or
+    it does not load here (written by another version: the load itself reports what does not
+    fit)."""
+    from titan_trainer.config import JobConfig
+
+    if not (path / "config.toml").is_file():
+        return None
+    try:
+        with tempfile.TemporaryDirectory(prefix="titan-config-") as tmp:
+            # A copy on this disk: the checkpoint may be at a URL (s3://...), which the config
+            # loader does not read.
+            local = Path(tmp) / "config.toml"
+            local.write_text((path / "config.toml").read_text())
+            return load_config(JobConfig, [], toml_path=local)
+    except (ConfigError, OSError):
+        return None
+
+
+def resume_problems(config, layout, *, shapes: bool = True) -> list[str]:
+    """Whether the checkpoint this run resumes from fits it: its weights' shapes (through the
+    checkpointer's `check_loadable`; not with `shapes` off, for a dry run, which compares
+    every rank role's shapes itself) and the settings its data position was saved with. Each
+    problem names the setting that differs, its value there and here, and the fixes."""
+    ckpt = config.checkpoint
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return []
+    path = resumed_checkpoint(config)
+    if path is None:
+        return []
+    saved = saved_config(path)
+    problems = []
+    if shapes and "model" not in ckpt.exclude_from_loading:
+        problems += _model_problems(config, layout, path, saved)
+    if saved is not None and "dataloader" not in ckpt.exclude_from_loading:
+        problems += _data_problems(config, layout, path, saved)
+    return problems
+
+
+def _model_problems(config, layout, path, saved) -> list[str]:
+    factory = resolve(plugins.CHECKPOINTERS, config.checkpoint.checkpointer)
+    model = layout.meta_model()
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found, _ = factory.check_loadable(config.checkpoint, config.job.dump_folder, expected)
+    if not found:
+        return []
+    changed = _changed(saved, config, MODEL_KEYS) if saved is not None else []
+    if not changed:  # the tokenizer's vocabulary, or a checkpoint of another tool
+        return found
+    return [
+        f"the checkpoint this run resumes from ({path}) was saved with {_listed(changed)}, so"
+        f" its weights have other shapes than this run's model ({_shape_detail(found)})\nkeep"
+        " the checkpoints (nothing is wrong with them) and resume with the saved value"
+        f" ({_flags(changed)}), or start this model in a folder of its own (--job.dump_folder"
+        " NEW, or --checkpoint.folder NEW)"
+    ]
+
+
+def _data_problems(config, layout, path, saved) -> list[str]:
+    from titan_ckpt import layout as ckpt_layout
+
+    changed = _changed(saved, config, DATA_KEYS)
+    try:
+        saved_dp = int(ckpt_layout.read_commit(path).get("dp_world_size") or 1)
+    except (OSError, ValueError, TypeError):
+        saved_dp = None
+    if saved_dp is not None:
+        before = _global_batch(saved.training, saved_dp)
+        now = _global_batch(config.training, layout.dims.dp_replicate * layout.dims.dp_shard)
+        if before != now:
+            changed.append(("training.global_batch_size", before, now))
+    if not changed:
+        return []
+    return [
+        f"the checkpoint this run resumes from ({path}) was saved with {_listed(changed)}, which"
+        " fix the order of the samples its data position counts in\nkeep the checkpoints"
+        " (nothing is wrong with them) and resume with the saved value"
+        f" ({_flags(changed)}); or keep the weights and the optimizer and start the data"
+        " afresh (--checkpoint.exclude_from_loading dataloader); or start a new run in another"
+        " folder (--job.dump_folder NEW)"
+    ]
+
+
+def _global_batch(training, dp: int) -> int:
+    """Samples per optimizer step: `global_batch_size`, or local x data-parallel for -1."""
+    if training.global_batch_size != -1:
+        return training.global_batch_size
+    return training.local_batch_size * dp
+
+
+def _changed(saved, config, keys) -> list[tuple[str, Any, Any]]:
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        before = getattr(getattr(saved, section), name)
+        now = getattr(getattr(config, section), name)
+        if before != now:
+            out.append((key, before, now))
+    return out
+
+
+def _listed(changed) -> str:
+    return "; ".join(
+        f"[{key.split('.')[0]}] {key.split('.')[1]} = {before!r} (this run: {now!r})"
+        for key, before, now in changed
+    )
+
+
+def _flags(changed) -> str:
+    return " ".join(f"--{key} {before}" for key, before, _ in changed)
+
+
+def _shape_detail(problems: list[str]) -> str:
+    """The first line of the checkpointer's finding, without its own advice."""
+    return problems[0].splitlines()[0]
