@@ -255,6 +255,7 @@ def _check_the_readme_job(done: subprocess.CompletedProcess, folder: Path, steps
     line = next(x for x in (done.stdout + done.stderr).splitlines() if f"step {steps:4d} |" in x)
     for token in ("tok/s", "TFLOP/s", "MFU", "GiB", "s/step", "grad_norm", "lr"):
         assert token in line, line
+    assert "[lr_scheduler] warmup_steps" not in done.stderr  # warm-up shorter than the run
     # Nothing before Titan's own first line: no torchao notice in a run without Float8.
     assert "register_constant() on Enum subclasses" not in done.stderr, done.stderr[:2000]
 
@@ -308,6 +309,8 @@ def test_the_deepseek_v3_and_llama4_commands_train_their_debug_flavors(tmp_path)
     for family, done in zip(FAMILY_JOBS, runs, strict=True):
         out = done.stdout + done.stderr
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        # The shipped debug configs warm up for fewer steps than the README's runs take.
+        assert "[lr_scheduler] warmup_steps" not in out, out[-3000:]
         losses = _losses(out)
         # On the embedded corpus from the first step: the loss falls well below its start.
         assert max(losses) == 10 and losses[10] < 0.8 * losses[min(losses)], (family, losses)
