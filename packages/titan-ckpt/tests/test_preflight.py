@@ -80,3 +80,46 @@ def test_check_space_counts_the_checkpoints_kept_at_once_against_the_free_space(
     config.keep_latest_k = 0
     problems, _ = check_space(config, str(tmp_path), free // 2, steps=10)
     assert "this run saves 3 (keep_latest_k = 0 keeps every one)" in problems[0]
+
+
+def test_a_resumed_checkpoint_is_pruned_once_a_newer_one_is_committed(tmp_path):
+    # keep_latest_k = 1 holds one checkpoint, plus the one being written: the one a run
+    # resumed from is no exception (the free-space check counts no more).
+    from ckpt_toy import build_run, train  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder="checkpoint", interval=2, keep_latest_k=1)
+    run = build_run()
+    manager = CheckpointManager(config, run.states(), tmp_path / "checkpoint")
+    train(run, 2, manager)
+    manager.close()
+    resumed = build_run()
+    manager = CheckpointManager(config, resumed.states(), tmp_path / "checkpoint")
+    assert manager.load() == 2
+    resumed.state.step = 2
+    train(resumed, 2, manager)
+    manager.close()
+    assert [p.name for p in (tmp_path / "checkpoint").glob("step-*")] == ["step-4"]
+
+
+def test_check_space_counts_each_checkpoint_as_large_as_the_newest_one_there(tmp_path):
+    # The shapes' count leaves out DCP's metadata and framing and the small states; the
+    # newest checkpoint there is what the next save writes, and what a failed save reports.
+    import shutil  # noqa: PLC0415
+
+    from titan_ckpt import check_space  # noqa: PLC0415
+    from titan_ckpt.layout import checkpoint_bytes  # noqa: PLC0415
+    from titan_ckpt.preflight import size_text  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder="checkpoint", interval=2, keep_latest_k=1)
+    model = ToyModel(dropout=0.0)
+    manager = CheckpointManager(config, {"model": model}, tmp_path / "checkpoint")
+    manager.save(2, force=True)
+    manager.close()
+    real = checkpoint_bytes(tmp_path / "checkpoint" / "step-2")
+    counted = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert real > counted
+    _, note = check_space(config, str(tmp_path), counted, steps=6)
+    assert note.startswith(f"checkpoint: about {size_text(real)} each, 2 to save;"), note
+    free = shutil.disk_usage(tmp_path).free
+    problems, _ = check_space(config, str(tmp_path), free + 1, steps=6)
+    assert "(model and optimizer state)" in problems[0]  # the count is larger: it is used

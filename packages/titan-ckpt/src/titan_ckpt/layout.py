@@ -195,10 +195,8 @@ def _marker_text(marker: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def prune(
-    folder: str | Path, keep: int, protect: set[Path] = frozenset(), newest: int | None = None
-) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` (0 keeps all), never one in `protect`.
+def prune(folder: str | Path, keep: int, newest: int | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep` (0 keeps all).
 
     With `newest` (the step just saved), only checkpoints up to that step count: a run resumed
     from an older checkpoint (because a newer one failed its checks) never deletes what it
@@ -210,11 +208,19 @@ def prune(
         found = [(step, path) for step, path in found if step <= newest]
     removed = []
     for _, path in found[:-keep]:
-        if path.resolve() in {p.resolve() for p in protect}:
-            continue
         discard(path)
         removed.append(path)
     return removed
+
+
+def checkpoint_bytes(path: str | Path) -> int | None:
+    """The bytes a committed checkpoint takes, from the sizes its marker records (data files
+    and `.metadata`), or None for a marker without them (another version's)."""
+    try:
+        files = read_commit(path).get("files") or {}
+        return sum(int(entry["bytes"]) for entry in files.values()) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[Path]:

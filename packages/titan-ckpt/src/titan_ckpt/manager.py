@@ -47,6 +47,7 @@ from titan_ckpt.errors import (
 from titan_ckpt.hf import DTYPES, export_hf
 from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
 from titan_ckpt.integrity import checksumming_writer, nonfinite_entries
+from titan_ckpt.preflight import size_text
 from titan_ckpt.safe_read import safe_reader
 from titan_ckpt.staging import build_stager
 from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, TextState
@@ -115,7 +116,6 @@ class CheckpointManager:
             self.states["model"].snapshot_buffers = config.async_mode != "disabled"
         self._model_parts = states.get("model")
         self._pending: _Pending | None = None
-        self._loaded_path: Path | None = None
         self._stager = None
         self._async_pg = None
         self._staging_hook = None
@@ -341,8 +341,10 @@ class CheckpointManager:
         except OSError as e:  # the marker did not fit (a full disk): the save did not happen
             self._fail(e, step, tmp)
         in_flight = {self._pending.tmp} if self._pending is not None else set()
-        protect = {self._loaded_path} if self._loaded_path is not None else set()
-        for path in layout.prune(self.folder, self.config.keep_latest_k, protect, newest=step):
+        # The checkpoint this run resumed from is pruned like any other once a newer one is
+        # committed: at most keep_latest_k stay, plus the one being written, which is what
+        # the free-space check (`preflight.check_space`) counts.
+        for path in layout.prune(self.folder, self.config.keep_latest_k, newest=step):
             log.info(
                 "removed old checkpoint %s (keep_latest_k = %d)", path, self.config.keep_latest_k
             )
@@ -571,7 +573,6 @@ class CheckpointManager:
         if bad:
             touched.update(name for name in request if name in ("model", "optimizer"))
             raise _Unusable(f"it holds NaN or inf in {', '.join(bad[:5])}")
-        self._loaded_path = path
         note = f"; not restored: {', '.join(skipped)}" if skipped else ""
         log.info(
             "loaded checkpoint %s (step %d) in %.2fs%s",
@@ -749,9 +750,5 @@ def _states_of(path: Path) -> list[str]:
 
 def _size_of(path: Path) -> str:
     """A checkpoint's size from its marker, in MiB or GiB ("an unknown size" without sums)."""
-    try:
-        files = layout.read_commit(path).get("files") or {}
-        size = sum(int(entry["bytes"]) for entry in files.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return "an unknown size"
-    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    size = layout.checkpoint_bytes(path)
+    return "an unknown size" if size is None else size_text(size)

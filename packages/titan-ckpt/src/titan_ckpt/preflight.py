@@ -101,9 +101,11 @@ def check_space(
 ) -> tuple[list[str], str]:
     """(problems, note): whether the checkpoints of a run that trains to step `steps` fit on
     the disk of its checkpoint folder, each `state_bytes` (about the model and optimizer state
-    saved, which the caller counts from their shapes). At most keep_latest_k complete ones stay
-    (all with 0), plus the one being written; the ones there already count as taken, and those
-    that pruning will remove as freed."""
+    saved, which the caller counts from their shapes), or each the size of the newest full
+    checkpoint already there when that is more (it holds DCP's metadata and framing too, and
+    the other states: it is what the next save writes). At most keep_latest_k complete ones
+    stay (all with 0), the one a run resumed from included, plus the one being written; the
+    ones there already count as taken, and those that pruning will remove as freed."""
     if not config.enable or state_bytes <= 0:
         return [], ""
     folder = checkpoint_folder(config, dump_folder)
@@ -112,6 +114,7 @@ def check_space(
     planned = saves_planned(config, start, steps)
     if planned == 0:
         return [], ""
+    state_bytes, what = max((state_bytes, "model and optimizer state"), _measured(existing))
     k = config.keep_latest_k
     if k == 0:
         new = planned
@@ -122,26 +125,41 @@ def check_space(
     needed = new * state_bytes
     if isinstance(folder, RemotePath):  # an object store has no free space to ask about
         return [], (
-            f"checkpoint: about {_size(state_bytes)} each, {planned} to save; {folder} needs up"
-            f" to {_size(needed)} more ({kept}); free space not checked (remote storage)"
+            f"checkpoint: about {size_text(state_bytes)} each, {planned} to save; {folder} needs up"
+            f" to {size_text(needed)} more ({kept}); free space not checked (remote storage)"
         )
     free = shutil.disk_usage(_nearest_existing(folder)).free
     note = (
-        f"checkpoint: about {_size(state_bytes)} each, {planned} to save; {folder} needs up to"
-        f" {_size(needed)} more ({kept}), {_size(free)} free there"
+        f"checkpoint: about {size_text(state_bytes)} each, {planned} to save; {folder} needs up to"
+        f" {size_text(needed)} more ({kept}), {size_text(free)} free there"
     )
     if needed <= free:
         return [], note
     return [
         f"[checkpoint] the checkpoints will not fit on the disk of {folder}: each holds about"
-        f" {_size(state_bytes)} (model and optimizer state), this run saves {planned} ({kept}),"
-        f" so it needs {_size(needed)} more and the disk has {_size(free)} free\nfree space"
+        f" {size_text(state_bytes)} ({what}), this run saves {planned} ({kept}),"
+        f" so it needs {size_text(needed)} more and the disk has {size_text(free)} free\nfree space"
         " there, lower [checkpoint] keep_latest_k, save less often ([checkpoint] interval), or"
         " point [checkpoint] folder (or [job] dump_folder) at a bigger disk"
     ], note
 
 
-def _size(nbytes: float) -> str:
+def _measured(existing: list[tuple[int, Path]]) -> tuple[int, str]:
+    """(bytes, what they are) of the newest full checkpoint in `existing`, or (0, "")."""
+    for _, path in reversed(existing):
+        try:
+            if layout.read_commit(path).get("model_only"):
+                continue
+        except (OSError, ValueError):
+            continue
+        size = layout.checkpoint_bytes(path)
+        if size:
+            return size, f"the size of {path.name}, the newest there"
+    return 0, ""
+
+
+def size_text(nbytes: float) -> str:
+    """A byte count in KiB, MiB, GiB or TiB, one decimal."""
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
         if nbytes >= scale:
             return f"{nbytes / scale:,.1f} {unit}"
