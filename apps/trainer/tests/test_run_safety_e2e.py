@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_ckpt import checkpoint_problems, load_consolidated
+from titan_ckpt import Checkpoint, checkpoint_problems, load_consolidated
 from titan_ckpt.cli import main as titan_ckpt
 from titan_ckpt.layout import read_commit
 from titan_trainer.cli import main as titan_train
+from titan_trainer.stopping import after_interrupt
 
 FAST = [
     "--training.mixed_precision_param",
@@ -235,8 +236,28 @@ def test_sigterm_and_ctrl_c_stop_with_exit_status_143_and_130(tmp_path):
     assert re.search(r"SIGTERM: stopping at step \d+ without a checkpoint", log), log
     assert "saving" not in log
     log = runs[signal.SIGINT].log.read_text()
-    assert re.search(r"Ctrl-C: stopped at step \d+", log), log
-    assert "Traceback" not in log
+    assert re.search(
+        r"Ctrl-C: stopped at step \d+ without a checkpoint \(checkpoint.enable is false\): a"
+        r" rerun starts again at step 0",
+        log,
+    ), log
+    assert "Traceback" not in log and "checkpoint stays" not in log
+
+
+def test_what_ctrl_c_leaves_to_resume_from_is_said_as_it_is():
+    every_25 = Checkpoint(enable=True, interval=25)
+    assert after_interrupt(every_25, step=7, start_step=0) == (
+        "Ctrl-C: stopped at step 7, before the first checkpoint (due at step 25, [checkpoint]"
+        " interval): there is none to resume from, and a rerun starts again at step 0"
+    )
+    assert after_interrupt(every_25, step=57, start_step=0) == (
+        "Ctrl-C: stopped at step 57; a rerun resumes from the checkpoint of step 50"
+    )
+    assert after_interrupt(every_25, step=57, start_step=55) == (
+        "Ctrl-C: stopped at step 57, before this run's first checkpoint (due at step 75): a"
+        " rerun resumes from step 55, where this run started"
+    )
+    assert "without a checkpoint" in after_interrupt(Checkpoint(), step=3, start_step=0)
 
 
 def _main(args, capsys) -> tuple[int, str, str]:

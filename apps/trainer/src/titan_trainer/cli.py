@@ -19,7 +19,8 @@ ERROR = 1
 """A problem with the run's data, folders, numbers or peers; one `titan: error:` message."""
 CONFIG_ERROR = 2
 STOPPED_BY_SIGINT = 130
-"""Ctrl-C: stopped at once; the newest complete checkpoint is the one to resume from."""
+"""Ctrl-C: stopped at the end of the step; the log says what a rerun resumes from (the newest
+checkpoint, or none)."""
 STOPPED_BY_SIGTERM = 143
 """SIGTERM (a scheduler's preemption or time-limit notice): stopped after saving a full
 checkpoint of the current step (when checkpoints are on)."""

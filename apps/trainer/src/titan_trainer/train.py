@@ -57,7 +57,13 @@ from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
 from titan_trainer.restarts import note_torchrun_restart
 from titan_trainer.run import Run, TrainResult, TrainState, shared_run_id
 from titan_trainer.step import accumulation_steps, train_step
-from titan_trainer.stopping import StopRequest, close_run, save_if_due, write_seed_checkpoint
+from titan_trainer.stopping import (
+    StopRequest,
+    after_interrupt,
+    close_run,
+    save_if_due,
+    write_seed_checkpoint,
+)
 from titan_trainer.validate import Validator
 from titan_trainer.window import MetricWindow, log_window, open_window, validate
 
@@ -317,10 +323,7 @@ def run_steps(run: Run) -> TrainResult:
                 if state.step % config.training.gc_freq == 0:
                     gc.collect(1)
     except KeyboardInterrupt:
-        log.warning(
-            "Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from",
-            state.step,
-        )
+        log.warning(after_interrupt(config.checkpoint, state.step, start_step))
         stopped_by = "SIGINT"
     except BaseException:
         failed = True
