@@ -195,8 +195,10 @@ def _marker_text(marker: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def prune(folder: str | Path, keep: int, newest: int | None = None) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` (0 keeps all).
+def prune(
+    folder: str | Path, keep: int, protect: set[Path] = frozenset(), newest: int | None = None
+) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep` (0 keeps all), never one in `protect`.
 
     With `newest` (the step just saved), only checkpoints up to that step count: a run resumed
     from an older checkpoint (because a newer one failed its checks) never deletes what it
@@ -208,6 +210,8 @@ def prune(folder: str | Path, keep: int, newest: int | None = None) -> list[Path
         found = [(step, path) for step, path in found if step <= newest]
     removed = []
     for _, path in found[:-keep]:
+        if path.resolve() in {p.resolve() for p in protect}:
+            continue
         discard(path)
         removed.append(path)
     return removed

@@ -116,6 +116,7 @@ class CheckpointManager:
             self.states["model"].snapshot_buffers = config.async_mode != "disabled"
         self._model_parts = states.get("model")
         self._pending: _Pending | None = None
+        self._loaded_path: Path | None = None
         self._stager = None
         self._async_pg = None
         self._staging_hook = None
@@ -341,10 +342,10 @@ class CheckpointManager:
         except OSError as e:  # the marker did not fit (a full disk): the save did not happen
             self._fail(e, step, tmp)
         in_flight = {self._pending.tmp} if self._pending is not None else set()
-        # The checkpoint this run resumed from is pruned like any other once a newer one is
-        # committed: at most keep_latest_k stay, plus the one being written, which is what
-        # the free-space check (`preflight.check_space`) counts.
-        for path in layout.prune(self.folder, self.config.keep_latest_k, newest=step):
+        # The checkpoint this run resumed from stays (it may be an older one asked for by
+        # load_step, a point to branch from again); the free-space check counts it.
+        protect = {self._loaded_path} if self._loaded_path is not None else set()
+        for path in layout.prune(self.folder, self.config.keep_latest_k, protect, newest=step):
             log.info(
                 "removed old checkpoint %s (keep_latest_k = %d)", path, self.config.keep_latest_k
             )
@@ -573,6 +574,7 @@ class CheckpointManager:
         if bad:
             touched.update(name for name in request if name in ("model", "optimizer"))
             raise _Unusable(f"it holds NaN or inf in {', '.join(bad[:5])}")
+        self._loaded_path = path
         note = f"; not restored: {', '.join(skipped)}" if skipped else ""
         log.info(
             "loaded checkpoint %s (step %d) in %.2fs%s",

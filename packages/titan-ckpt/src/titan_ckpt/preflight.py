@@ -88,14 +88,6 @@ def _compare(path: Path, expected: Mapping[str, tuple[int, ...]]) -> list[str]:
     return problems
 
 
-def saves_planned(config: Checkpoint, start: int, steps: int) -> int:
-    """How many saves a run from step `start` to `steps` makes (every `interval`, and the last)."""
-    if steps <= start:
-        return 0
-    due = steps // config.interval - start // config.interval
-    return due + (0 if steps % config.interval == 0 else 1)
-
-
 def check_space(
     config: Checkpoint, dump_folder: str, state_bytes: int, steps: int
 ) -> tuple[list[str], str]:
@@ -103,45 +95,83 @@ def check_space(
     the disk of its checkpoint folder, each `state_bytes` (about the model and optimizer state
     saved, which the caller counts from their shapes), or each the size of the newest full
     checkpoint already there when that is more (it holds DCP's metadata and framing too, and
-    the other states: it is what the next save writes). At most keep_latest_k complete ones
-    stay (all with 0), the one a run resumed from included, plus the one being written; the
-    ones there already count as taken, and those that pruning will remove as freed."""
+    the other states: it is what the next save writes). The saves and prunes of the run are
+    played through (`_most_at_once`): at most keep_latest_k complete ones stay (all with 0),
+    plus the one being written, plus the one the run resumed from, which it never prunes;
+    the ones there already count as taken, and those that pruning will remove as freed."""
     if not config.enable or state_bytes <= 0:
         return [], ""
     folder = checkpoint_folder(config, dump_folder)
     existing = layout.list_checkpoints(folder)
-    start = existing[-1][0] if existing else 0
-    planned = saves_planned(config, start, steps)
-    if planned == 0:
+    resumed = _resumed_step(config, existing)
+    saves = _save_steps(config, resumed or 0, steps)
+    if not saves:
         return [], ""
     state_bytes, what = max((state_bytes, "model and optimizer state"), _measured(existing))
     k = config.keep_latest_k
+    held = [s for s, _ in existing]
+    most = _most_at_once(held, saves, k, resumed)
     if k == 0:
-        new = planned
         kept = "keep_latest_k = 0 keeps every one"
     else:
-        new = max(1, min(k + 1, len(existing) + planned) - len(existing))
         kept = f"keep_latest_k = {k} keeps {k}, plus the one being written"
-    needed = new * state_bytes
+        if most > _most_at_once(held, saves, k, None):
+            kept += f", plus step-{resumed}, which this run resumes from and keeps"
+    planned = len(saves)
+    needed = max(1, most - len(existing)) * state_bytes
     if isinstance(folder, RemotePath):  # an object store has no free space to ask about
         return [], (
-            f"checkpoint: about {size_text(state_bytes)} each, {planned} to save; {folder} needs up"
-            f" to {size_text(needed)} more ({kept}); free space not checked (remote storage)"
+            f"checkpoint: about {size_text(state_bytes)} each, {planned} to save; {folder} needs"
+            f" up to {size_text(needed)} more ({kept}); free space not checked (remote storage)"
         )
     free = shutil.disk_usage(_nearest_existing(folder)).free
     note = (
-        f"checkpoint: about {size_text(state_bytes)} each, {planned} to save; {folder} needs up to"
-        f" {size_text(needed)} more ({kept}), {size_text(free)} free there"
+        f"checkpoint: about {size_text(state_bytes)} each, {planned} to save; {folder} needs up"
+        f" to {size_text(needed)} more ({kept}), {size_text(free)} free there"
     )
     if needed <= free:
         return [], note
     return [
         f"[checkpoint] the checkpoints will not fit on the disk of {folder}: each holds about"
-        f" {size_text(state_bytes)} ({what}), this run saves {planned} ({kept}),"
-        f" so it needs {size_text(needed)} more and the disk has {size_text(free)} free\nfree space"
-        " there, lower [checkpoint] keep_latest_k, save less often ([checkpoint] interval), or"
-        " point [checkpoint] folder (or [job] dump_folder) at a bigger disk"
+        f" {size_text(state_bytes)} ({what}), this run saves {planned} ({kept}), so it needs"
+        f" {size_text(needed)} more and the disk has {size_text(free)} free\nfree space there,"
+        " lower [checkpoint] keep_latest_k, save less often ([checkpoint] interval), or point"
+        " [checkpoint] folder (or [job] dump_folder) at a bigger disk"
     ], note
+
+
+def _resumed_step(config: Checkpoint, existing: list[tuple[int, Path]]) -> int | None:
+    """The step of the checkpoint in the folder a run resumes from (`load_step`, else the
+    newest full one, else the newest), or None."""
+    if config.load_step != -1:
+        return config.load_step if any(s == config.load_step for s, _ in existing) else None
+    for step, path in reversed(existing):
+        try:
+            if not layout.read_commit(path).get("model_only"):
+                return step
+        except (OSError, ValueError):
+            continue
+    return existing[-1][0] if existing else None
+
+
+def _save_steps(config: Checkpoint, start: int, steps: int) -> list[int]:
+    """The steps a run from step `start` to `steps` saves at: every `interval`, and the last."""
+    due = list(range((start // config.interval + 1) * config.interval, steps + 1, config.interval))
+    return due + ([steps] if steps > start and steps not in due else [])
+
+
+def _most_at_once(held: list[int], saves: list[int], keep: int, resumed: int | None) -> int:
+    """The most checkpoints on disk at once while `saves` are written beside the `held` ones:
+    each save is written, committed, then those beyond the newest `keep` up to it are pruned
+    (never `resumed`), as the manager does."""
+    on_disk, most = set(held), len(held)
+    for step in saves:
+        most = max(most, len(on_disk) + 1)
+        on_disk.add(step)
+        if keep > 0:
+            up_to = sorted(s for s in on_disk if s <= step)
+            on_disk -= {s for s in up_to[:-keep] if s != resumed}
+    return most
 
 
 def _measured(existing: list[tuple[int, Path]]) -> tuple[int, str]:
