@@ -1,6 +1,8 @@
 """What the checkpoint a run resumes from was saved with, against the run: checked before any
 process group, so that a changed setting is named as such instead of every healthy
-checkpoint being tried, failed and reported as "not usable".
+checkpoint being tried, failed and reported as "not usable". A run that starts from
+`initial_load_path` instead gets the checkpointer's own check of those weights (for Hugging
+Face files, their headers: a damaged file is named before any rank reads it).
 
 Two kinds of setting decide whether a checkpoint loads. The model's (`[model] name`, `flavor`,
 `n_mtp_layers`, the tokenizer's vocabulary) fix the shapes of its weights: the checkpointer's
@@ -76,11 +78,11 @@ def resume_problems(config, layout, *, shapes: bool = True) -> list[str]:
     every rank role's shapes itself) and the settings its data position was saved with. Each
     problem names the setting that differs, its value there and here, and the fixes."""
     ckpt = config.checkpoint
-    if not ckpt.enable or ckpt.create_seed_checkpoint:
+    if ckpt.create_seed_checkpoint or not (ckpt.enable or ckpt.initial_load_path):
         return []
     path = resumed_checkpoint(config)
-    if path is None:
-        return []
+    if path is None:  # nothing to resume: the weights a run starts from, when it names some
+        return _loadable(config, layout) if shapes and ckpt.initial_load_path else []
     saved = saved_config(path)
     problems = []
     if shapes and "model" not in ckpt.exclude_from_loading:
@@ -90,11 +92,19 @@ def resume_problems(config, layout, *, shapes: bool = True) -> list[str]:
     return problems
 
 
-def _model_problems(config, layout, path, saved) -> list[str]:
+def _loadable(config, layout) -> list[str]:
+    """The checkpointer's `check_loadable` against this run's model on the meta device: every
+    tensor's name and global shape, or what it checks of the Hugging Face files of
+    `initial_load_in_hf` (their headers)."""
     factory = resolve(plugins.CHECKPOINTERS, config.checkpoint.checkpointer)
     model = layout.meta_model()
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    found, _ = factory.check_loadable(config.checkpoint, config.job.dump_folder, expected)
+    problems, _ = factory.check_loadable(config.checkpoint, config.job.dump_folder, expected)
+    return problems
+
+
+def _model_problems(config, layout, path, saved) -> list[str]:
+    found = _loadable(config, layout)
     if not found:
         return []
     changed = _changed(saved, config, MODEL_KEYS) if saved is not None else []

@@ -40,6 +40,7 @@ from titan_ckpt.dcp_io import (
     value_problems,
 )
 from titan_ckpt.hf import DTYPES
+from titan_ckpt.hf_check import check_safetensors_folder
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
@@ -399,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = False
     try:
+        if getattr(args, "kind", None) == "hf-to-dcp":  # before any rank starts a group
+            check_safetensors_folder(args.hf_folder)
         started = _process_group(args)
         code = args.func(args)
     except (
@@ -408,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         UnsafeCheckpointError,
         StorageUnavailableError,
     ) as e:
-        print(f"titan-ckpt: error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # one message under torchrun, not one a rank
+            print(f"titan-ckpt: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         if not is_store_error(e):

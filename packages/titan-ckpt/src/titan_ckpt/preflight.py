@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_ckpt import layout
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.dcp_io import checkpoint_keys
+from titan_ckpt.hf_check import safetensors_problems
 from titan_ckpt.storage import RemotePath, as_path, join
 from titan_core.messages import shortlist
 
@@ -41,9 +42,9 @@ def check_loadable(
         if config.initial_load_path:
             path = as_path(config.initial_load_path)
             if config.initial_load_in_hf:
-                return (
-                    [],
-                    f"checkpoint: starts from the Hugging Face weights in {path} (not checked offline)",
+                return _hf_problems(path), (
+                    f"checkpoint: starts from the Hugging Face weights in {path} (their files'"
+                    " headers checked; names and shapes when each rank reads its part)"
                 )
             if not layout.is_complete(path):
                 return [
@@ -57,6 +58,24 @@ def check_loadable(
     problems = _compare(path, expected)
     verdict = "loads into this layout" if not problems else "does NOT load into this layout"
     return problems, f"checkpoint: would resume from {path} (step {step}), which {verdict}"
+
+
+def _hf_problems(path: Path | RemotePath) -> list[str]:
+    """Whether the safetensors files of the HF folder `path` can be read (their headers)."""
+    key = f"[checkpoint] initial_load_path = {str(path)!r}"
+    if isinstance(path, RemotePath):
+        return []  # refused with its own message when the run starts: read from a local copy
+    if not path.is_dir():
+        return [f"{key} is not a folder\nname the folder of the model's Hugging Face download"]
+    problems = safetensors_problems(path)
+    if not problems:
+        return []
+    return [
+        f"{key} holds Hugging Face weights that cannot be read:\n  "
+        + "\n  ".join(problems)
+        + "\ndownload the damaged files again (titan-download, or the hub's own tools), or"
+        " point initial_load_path at another copy"
+    ]
 
 
 def _compare(path: Path, expected: Mapping[str, tuple[int, ...]]) -> list[str]:

@@ -1,0 +1,56 @@
+"""Damaged or unreachable inputs end in one message that names the input, the reason and the
+fix, never a library's traceback (issue 42, items 5 to 7): Hugging Face weights whose files
+are damaged, a checkpoint folder on an S3 store that cannot be reached, and `titan-generate`
+on a run whose checkpoints are damaged."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from titan_trainer.cli import main as titan_train
+
+DEBUG_TOML = Path(__file__).resolve().parents[1] / "configs" / "debug_model.toml"
+
+
+def _args(dump: Path, *extra: str) -> list[str]:
+    return [
+        *("--job.config_file", str(DEBUG_TOML), "--job.dump_folder", str(dump)),
+        *("--training.seq_len", "64", "--training.local_batch_size", "2"),
+        *("--training.mixed_precision_param", "float32", "--metrics.log_freq", "1"),
+        *("--metrics.enable_tensorboard", "false", "--metrics.save_plots_folder", ""),
+        *extra,
+    ]
+
+
+def test_damaged_hugging_face_weights_stop_the_run_before_it_starts(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"model.norm.weight": torch.ones(256)}, str(hf / "model-1.safetensors"))
+    save_file({"lm_head.weight": torch.ones(8, 256)}, str(hf / "model-2.safetensors"))
+    first = (hf / "model-1.safetensors").read_bytes()
+    (hf / "model-1.safetensors").write_bytes(struct.pack("<Q", 2**62) + first[8:])
+    second = (hf / "model-2.safetensors").read_bytes()
+    (hf / "model-2.safetensors").write_bytes(second[: len(second) // 2])
+    code = titan_train(
+        _args(
+            tmp_path / "run",
+            *("--training.steps", "2", "--checkpoint.initial_load_in_hf"),
+            *("--checkpoint.initial_load_path", str(hf)),
+        )
+    )
+    out = capsys.readouterr()
+    assert code == 2, out.out + out.err
+    lines = out.err[out.err.index("titan: config error: ") :].splitlines()
+    assert lines[0] == (
+        f"titan: config error: [checkpoint] initial_load_path = {str(hf)!r} holds Hugging Face"
+        " weights that cannot be read:"
+    ), lines
+    assert lines[1].strip().startswith(f"{hf / 'model-1.safetensors'}: its header claims ")
+    assert lines[2].strip().startswith(f"{hf / 'model-2.safetensors'}: its header describes ")
+    assert "download the damaged files again" in lines[3]
+    assert "Traceback" not in out.err and "SafetensorError" not in out.err
+    assert "| loss" not in out.out and not (tmp_path / "run" / "checkpoint").exists()
