@@ -54,3 +54,30 @@ def test_damaged_hugging_face_weights_stop_the_run_before_it_starts(tmp_path, ca
     assert "download the damaged files again" in lines[3]
     assert "Traceback" not in out.err and "SafetensorError" not in out.err
     assert "| loss" not in out.out and not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_an_unreachable_s3_store_is_one_message_before_anything_touches_it(
+    tmp_path, capsys, monkeypatch
+):
+    # No server at the endpoint (port 9 is closed here); credentials as a user has them.
+    for key, value in {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_ACCESS_KEY_ID": "titan-test",
+        "AWS_SECRET_ACCESS_KEY": "titan-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    url = "s3://titan/run/checkpoint"
+    code = titan_train(
+        _args(tmp_path / "run", "--training.steps", "2", "--checkpoint.enable",
+              "--checkpoint.folder", url)
+    )  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 2, out.out + out.err
+    error = out.err[out.err.index("titan: config error: ") :].rstrip().splitlines()
+    assert error[0].startswith(
+        f"titan: config error: the [checkpoint] folder {url} cannot be reached: Could not"
+        ' connect to the endpoint URL: "http://127.0.0.1:9/'
+    ), error
+    assert "check the endpoint (AWS_ENDPOINT_URL = http://127.0.0.1:9)" in error[1]
+    assert len(error) == 2 and "Traceback" not in out.err and "botocore" not in out.err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from titan_ckpt.preflight import storage_problems
 from titan_core import ConfigError, plugins, resolve
 from titan_core.device import resolve_device_type
 from titan_trainer.checks import check_config, mtp_problems, optimizer_state_copies
@@ -68,6 +69,9 @@ def preflight(
     if mtp:  # the checks below build the model
         return Preflight(problems + mtp, notes, vocab_size, layout)
     problems += _pipeline_problems(config, layout, notes)
+    store = storage_problems(config.checkpoint, config.job.dump_folder)
+    if store:  # the checks below read the checkpoints there
+        return Preflight(problems + store, notes, vocab_size, layout)
     problems += _param_group_problems(config, layout)
     problems += resume_problems(config, layout, shapes=not dry_run)
     problems += _attention_problems(config, layout)

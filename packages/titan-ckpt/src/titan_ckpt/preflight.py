@@ -21,7 +21,7 @@ from titan_ckpt import layout
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.dcp_io import checkpoint_keys
 from titan_ckpt.hf_check import safetensors_problems
-from titan_ckpt.storage import RemotePath, as_path, join
+from titan_ckpt.storage import RemotePath, as_path, is_url, join, reach_problem
 from titan_core.messages import shortlist
 
 
@@ -29,6 +29,21 @@ def checkpoint_folder(config: Checkpoint, dump_folder: str) -> Path | RemotePath
     """Where checkpoints of a run with this config and dump folder live: `folder` under the
     dump folder, or `folder` itself when it is absolute or a URL."""
     return as_path(join(dump_folder, config.folder))
+
+
+def storage_problems(config: Checkpoint, dump_folder: str) -> list[str]:
+    """Whether the remote stores a run's checkpoints live in (`folder`, `initial_load_path`)
+    answer, asked before anything else reads them: one message each, naming the URL, the
+    store's reason and the fixes."""
+    problems = []
+    if config.enable or config.create_seed_checkpoint or config.initial_load_path:
+        folder = checkpoint_folder(config, dump_folder)
+        if isinstance(folder, RemotePath):
+            problems.append(reach_problem(str(folder), purpose="[checkpoint] folder"))
+    if config.initial_load_path and is_url(config.initial_load_path):
+        url = str(as_path(config.initial_load_path))
+        problems.append(reach_problem(url, purpose="[checkpoint] initial_load_path"))
+    return [p for p in problems if p is not None]
 
 
 def check_loadable(
