@@ -81,3 +81,35 @@ def test_an_unreachable_s3_store_is_one_message_before_anything_touches_it(
     ), error
     assert "check the endpoint (AWS_ENDPOINT_URL = http://127.0.0.1:9)" in error[1]
     assert len(error) == 2 and "Traceback" not in out.err and "botocore" not in out.err
+
+
+def test_generate_passes_over_damaged_checkpoints_and_names_them_when_none_is_left(
+    tmp_path, capsys
+):
+    from titan_trainer.generate import main as titan_generate
+
+    dump = tmp_path / "run"
+    args = _args(dump, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2")
+    assert titan_train(args) == 0
+    capsys.readouterr()
+    folder = dump / "checkpoint"
+    for step in (4, 2):  # newest first: the data file cut short, as a copy that stopped
+        data = folder / f"step-{step}" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:1000])
+        if step == 4:  # step 2 is still whole: used, and the damaged step 4 said
+            assert titan_generate([str(dump), "--prompt", "The", "--max-new-tokens", "4"]) == 0
+            out = capsys.readouterr()
+            assert out.out.startswith("The"), out
+            assert out.err.startswith(
+                "titan-generate: step-4 is damaged (__0_0.distcp has 1,000 bytes"
+            )
+            assert out.err.rstrip().endswith("; using step-2"), out.err
+    assert titan_generate([str(dump), "--prompt", "The", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"titan-generate: error: every checkpoint in {folder} is damaged:\n")
+    assert "step-4: __0_0.distcp has 1,000 bytes" in err and "step-2: __0_0.distcp has" in err
+    assert f"`titan-ckpt verify {folder}` checks them again" in err
+    assert "Traceback" not in err and "EOFError" not in err
+    assert titan_generate([str(folder / "step-2"), "--prompt", "The"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"titan-generate: error: {folder / 'step-2'} is damaged: "), err
