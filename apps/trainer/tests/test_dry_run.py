@@ -34,19 +34,28 @@ def _table_rows(stdout: str) -> dict[str, list[float]]:
     return rows
 
 
-def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys):
+def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys, monkeypatch):
     # cuDNN attention, which this CPU lacks: the dry run neither times nor checks the kernel
-    # (the job's GPUs do, at start-up).
+    # (the job's GPUs do, at start-up). No world size: the debug config's 1 is unset, and an
+    # open FSDP degree leaves it to the job, as in every torchtitan TOML; the dry run takes
+    # one node of 8 and says so.
+    monkeypatch.delenv("NGPU", raising=False)
     result = _titan_train(
-        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "2",
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "none",
          "--model.attention_backend", "cudnn"],
         capsys,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "attention: " not in out + result.stderr
-    assert "titan dry run: llama3 debugmodel on 2 x H100 (79.2 GiB)" in out, out
-    assert "layout dp_shard 2 | seq 64" in out
+    assert "titan dry run: llama3 debugmodel on 8 x H100 (79.2 GiB)" in out, out
+    assert "layout dp_shard 8 | seq 64" in out
+    assert (
+        "note: world size 8: data_parallel_shard_degree = -1 takes what the job's processes"
+        " leave, and neither [dry_run] world_size nor NGPU names them, so one node of 8 GPUs"
+        " is assumed, as torchtitan's launcher does; --dry_run.world_size N (or NGPU=N)"
+        " simulates another"
+    ) in out
     rows = _table_rows(out)
     assert list(rows) == ["every rank"], out
     kinds = rows["every rank"]
@@ -141,17 +150,6 @@ def test_every_config_problem_is_reported_together_before_any_simulation(tmp_pat
     assert "pipeline_parallel_schedule = '2F2B' is not a schedule" in out, out
     assert "missing.jsonl" in out and "does not exist" in out, out
     assert "rank role" not in out  # no simulation of a job that cannot start
-
-
-def test_world_size_must_be_known(tmp_path, capsys, monkeypatch):
-    # the debug config names 1 process; without that, an open FSDP degree leaves it unknown
-    monkeypatch.setenv("NGPU", "")
-    result = _titan_train(
-        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "none"],
-        capsys,
-    )
-    assert result.returncode == 2
-    assert "needs the job's world size" in result.stdout and "--dry_run.world_size" in result.stdout
 
 
 def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path, capsys):

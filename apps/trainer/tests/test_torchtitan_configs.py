@@ -223,6 +223,35 @@ def test_each_torchtitan_style_toml_passes_the_dry_run_checks_or_is_refused_by_n
             assert outcomes[name] is not None and expected in outcomes[name], (name, outcomes[name])
 
 
+def test_each_torchtitan_toml_dry_runs_as_given_at_a_world_size_that_is_said(monkeypatch):
+    # Every file sets data_parallel_shard_degree = -1, which leaves the world size open: the
+    # dry run takes one node of 8 (torchtitan's launcher's NGPU), rounded up to a multiple of
+    # the other degrees, and says so, instead of stopping after seconds of imports.
+    from titan_trainer.dry_run import resolve_world_size  # noqa: PLC0415
+
+    monkeypatch.delenv("NGPU", raising=False)
+    checked = 0
+    for path in sorted(FOLDER.glob("*.toml")):
+        if OUTCOMES[path.stem] is not None and "unknown section" in OUTCOMES[path.stem]:
+            continue
+        config = load_config(JobConfig, ["--job.config_file", str(path)])
+        assert config.parallelism.data_parallel_shard_degree == -1, path.stem
+        size, note = resolve_world_size(config)
+        p = config.parallelism
+        fixed = (
+            p.data_parallel_replicate_degree
+            * p.context_parallel_degree
+            * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+        )
+        assert size >= 8 and size % fixed == 0 and size - fixed < 8, (path.stem, size, fixed)
+        assert note.startswith(f"world size {size}: data_parallel_shard_degree = -1 takes")
+        assert "--dry_run.world_size N (or NGPU=N) simulates another" in note
+        config.parallelism.build_parallel_dims(size)  # a layout the degrees accept
+        checked += 1
+    assert checked == 17
+
+
 def test_torchtitan_older_names_are_read_with_a_one_line_notice(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="titan"):
         config = load_config(JobConfig, ["--job.config_file", str(FOLDER / "llama3_405b.toml")])

@@ -22,16 +22,42 @@ from titan_trainer.preflight import preflight_problems
 EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
 
-def resolve_world_size(config: JobConfig) -> int | None:
-    """`dry_run.world_size`, else the product of the degrees when none is -1, else NGPU."""
+DEFAULT_WORLD_SIZE = 8
+"""The world size of a job whose degrees leave it open (data_parallel_shard_degree = -1) and
+that names none: one node of 8 GPUs, as torchtitan's launcher (NGPU=8) and its TOML files
+assume."""
+
+
+def resolve_world_size(config: JobConfig) -> tuple[int, str | None]:
+    """(the world size to simulate, a note when it was not given): `dry_run.world_size`,
+    else the product of the degrees when none is -1, else NGPU, else the smallest multiple of
+    the fixed degrees from DEFAULT_WORLD_SIZE up."""
     if config.dry_run.world_size is not None:
-        return config.dry_run.world_size
+        return config.dry_run.world_size, None
     world_size = config.parallelism.job_world_size()
     if world_size is not None:
-        return world_size
+        return world_size, None
     if os.environ.get("NGPU", "").isdigit():
-        return int(os.environ["NGPU"])
-    return None
+        return int(os.environ["NGPU"]), None
+    p = config.parallelism
+    fixed = (
+        p.data_parallel_replicate_degree
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+    world_size = -(-DEFAULT_WORLD_SIZE // fixed) * fixed
+    return world_size, (
+        f"world size {world_size}: data_parallel_shard_degree = -1 takes what the job's processes"
+        f" leave, and neither [dry_run] world_size nor NGPU names them, so one node of"
+        f" {DEFAULT_WORLD_SIZE} GPUs is assumed, as torchtitan's launcher does"
+        + (
+            f" (rounded up to a multiple of the other degrees, {fixed})"
+            if world_size != DEFAULT_WORLD_SIZE
+            else ""
+        )
+        + "; --dry_run.world_size N (or NGPU=N) simulates another"
+    )
 
 
 def device_capacity_gib(config: JobConfig) -> tuple[float, str]:
@@ -57,15 +83,7 @@ def fits(sim: Simulation, capacity_gib: float, headroom_gib: float) -> bool:
 
 def dry_run(config: JobConfig, out=print) -> int:
     """Check, simulate and report; the exit status (see the module docstring)."""
-    world_size = resolve_world_size(config)
-    if world_size is None:
-        out(
-            ConfigError(
-                "the dry run needs the job's world size: data_parallel_shard_degree = -1 leaves it open\n"
-                "pass --dry_run.world_size N (or set NGPU)"
-            ).render()
-        )
-        return EXIT_CONFIG
+    world_size, assumed = resolve_world_size(config)
     try:
         capacity, capacity_text = device_capacity_gib(config)
     except ConfigError as e:
@@ -77,6 +95,8 @@ def dry_run(config: JobConfig, out=print) -> int:
         return EXIT_CONFIG
 
     out(_header(config, world_size, capacity_text))
+    if assumed is not None:
+        out(f"note: {assumed}")
     try:
         sim = simulate(config, world_size, vocab_size)
     except ConfigError as e:  # found only once the model meets its layout: said as the others
