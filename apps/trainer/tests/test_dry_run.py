@@ -167,9 +167,12 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path,
         capsys,
     )
     assert trained.returncode == 0, trained.stdout + trained.stderr
+    # Two ranks, with the 8 samples a step the checkpoint's data position counts in.
+    two_ranks = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
     same = _titan_train(
         [
             *SMALL,
+            *two_ranks,
             "--job.dump_folder",
             str(tmp_path),
             "--checkpoint.enable",
@@ -184,6 +187,7 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path,
     other = _titan_train(
         [
             *SMALL,
+            *two_ranks,
             "--job.dump_folder",
             str(tmp_path),
             "--checkpoint.enable",
@@ -198,6 +202,29 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path,
     assert other.returncode == 2, other.stdout + other.stderr
     assert "does NOT load into this layout" in other.stdout
     assert "has other shapes than this model" in other.stdout, other.stdout
+
+
+def test_checkpoints_that_cannot_fit_on_this_disk_are_part_of_the_one_verdict(tmp_path, capsys):
+    # Every step saved and every checkpoint kept: no disk holds them. A launch from here stops
+    # for it (exit 2), and so does the dry run's verdict, beside the memory's.
+    result = _titan_train(
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--checkpoint.enable",
+         "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
+         "--training.steps", "100000000"],
+        capsys,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    verdict = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
+    assert len(verdict) == 1, result.stdout
+    assert re.fullmatch(
+        r"verdict: does not start: memory fits, with [\d.]+ GiB free on the fullest rank \(peak"
+        r" [\d.]+ GiB \+ 4 GiB headroom of 79.2 GiB\), but \[checkpoint\] the checkpoints will not"
+        rf" fit on the disk of {re.escape(str(tmp_path))}/checkpoint: .* this run saves 100000000"
+        r" \(keep_latest_k = 0 keeps every one\), so it needs .* more and the disk has .* free",
+        verdict[0],
+    ), verdict
+    assert "lower [checkpoint] keep_latest_k" in result.stdout  # the fixes, after the notes
+    assert not (tmp_path / "checkpoint").exists()
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ handed to the run (`titan_trainer.train.train`)."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titan_ckpt.preflight import storage_problems
 from titan_core import ConfigError, plugins, resolve
@@ -32,6 +32,9 @@ class Preflight:
     vocab_size: int
     layout: Layout | None
     """None when the config itself has problems."""
+    here: list[str] = field(default_factory=list)
+    """A dry run's problems of this machine that a launch from here would stop for (the
+    checkpoints' disk), which do not stop the simulation; in `problems` for a real run."""
 
 
 def preflight(
@@ -79,9 +82,9 @@ def preflight(
     if not dry_run:
         problems += fault_tolerance_problems(config)
     space = _checkpoint_space_problems(config, layout, notes)
-    if not dry_run:  # a dry run plans for the cluster's disks, not this machine's
-        problems += space
-    return Preflight(problems, notes, vocab_size, layout)
+    if dry_run:  # the simulation goes on; the verdict says a launch from here would stop
+        return Preflight(problems, notes, vocab_size, layout, here=space)
+    return Preflight(problems + space, notes, vocab_size, layout)
 
 
 def preflight_problems(

@@ -127,21 +127,41 @@ def _data_problems(config, layout, path, saved) -> list[str]:
         saved_dp = int(ckpt_layout.read_commit(path).get("dp_world_size") or 1)
     except (OSError, ValueError, TypeError):
         saved_dp = None
+    dp = layout.dims.dp_replicate * layout.dims.dp_shard
+    flags = _flags(changed)
     if saved_dp is not None:
         before = _global_batch(saved.training, saved_dp)
-        now = _global_batch(config.training, layout.dims.dp_replicate * layout.dims.dp_shard)
+        now = _global_batch(config.training, dp)
         if before != now:
             changed.append(("training.global_batch_size", before, now))
+            flags = " ".join(x for x in (flags, _batch_flags(before, config.training, dp)) if x)
     if not changed:
         return []
+    fix = f"resume with the saved value ({flags}); or " if flags else ""
     return [
-        f"the checkpoint this run resumes from ({path}) was saved with {_listed(changed)}, which"
-        " fix the order of the samples its data position counts in\nkeep the checkpoints"
-        " (nothing is wrong with them) and resume with the saved value"
-        f" ({_flags(changed)}); or keep the weights and the optimizer and start the data"
-        " afresh (--checkpoint.exclude_from_loading dataloader); or start a new run in another"
-        " folder (--job.dump_folder NEW)"
+        f"the checkpoint this run resumes from ({path}) was saved with {_listed(changed)},"
+        f" which {'fix' if len(changed) > 1 else 'fixes'} the order of the samples its data"
+        f" position counts in\nkeep the checkpoints (nothing is wrong with them) and {fix}keep"
+        " the weights and the optimizer and start the data afresh"
+        " (--checkpoint.exclude_from_loading dataloader); or start a new run in another folder"
+        " (--job.dump_folder NEW)"
     ]
+
+
+def _batch_flags(samples: int, training, dp: int) -> str:
+    """The flags that take `samples` a step on `dp` data-parallel ranks: the global batch
+    size, and a local one that divides it over the ranks when this run's does not; empty
+    when the ranks cannot share it evenly."""
+    if samples % dp:
+        return ""
+    per_rank = samples // dp
+    local = max(
+        d for d in range(1, per_rank + 1) if per_rank % d == 0 and d <= training.local_batch_size
+    )
+    flags = f"--training.global_batch_size {samples}"
+    return flags + (
+        f" --training.local_batch_size {local}" if local != training.local_batch_size else ""
+    )
 
 
 def _global_batch(training, dp: int) -> int:

@@ -11,6 +11,7 @@ the bytes of the saved state from the model's and optimizer's shapes, without me
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -139,7 +140,8 @@ def check_space(
     existing = layout.list_checkpoints(folder)
     resumed = _resumed_step(config, existing)
     saves = _save_steps(config, resumed or 0, steps)
-    if not saves:
+    planned = len(saves[0]) + (saves[1] is not None)
+    if planned == 0:
         return [], ""
     state_bytes, what = max((state_bytes, "model and optimizer state"), _measured(existing))
     k = config.keep_latest_k
@@ -151,7 +153,6 @@ def check_space(
         kept = f"keep_latest_k = {k} keeps {k}, plus the one being written"
         if most > _most_at_once(held, saves, k, None):
             kept += f", plus step-{resumed}, which this run resumes from and keeps"
-    planned = len(saves)
     needed = max(1, most - len(existing)) * state_bytes
     if isinstance(folder, RemotePath):  # an object store has no free space to ask about
         return [], (
@@ -188,23 +189,34 @@ def _resumed_step(config: Checkpoint, existing: list[tuple[int, Path]]) -> int |
     return existing[-1][0] if existing else None
 
 
-def _save_steps(config: Checkpoint, start: int, steps: int) -> list[int]:
-    """The steps a run from step `start` to `steps` saves at: every `interval`, and the last."""
-    due = list(range((start // config.interval + 1) * config.interval, steps + 1, config.interval))
-    return due + ([steps] if steps > start and steps not in due else [])
+def _save_steps(config: Checkpoint, start: int, steps: int) -> tuple[range, int | None]:
+    """The steps a run from step `start` to `steps` saves at: (every `interval`, the last step
+    when it is not one of those). A range, never a list: a run may plan 10^8 saves."""
+    due = range((start // config.interval + 1) * config.interval, steps + 1, config.interval)
+    return due, (steps if steps > start and steps not in due else None)
 
 
-def _most_at_once(held: list[int], saves: list[int], keep: int, resumed: int | None) -> int:
+def _most_at_once(
+    held: list[int], saves: tuple[range, int | None], keep: int, resumed: int | None
+) -> int:
     """The most checkpoints on disk at once while `saves` are written beside the `held` ones:
     each save is written, committed, then those beyond the newest `keep` up to it are pruned
     (never `resumed`), as the manager does."""
+    due, last = saves
+    final = last if last is not None else due[-1]
+    if keep == 0:  # nothing is pruned: each new step stays; one written over stays one
+        new = len(due) + (last is not None) - sum(1 for s in held if s in due or s == last)
+        return len(held) + new + (final in held)
     on_disk, most = set(held), len(held)
-    for step in saves:
+    top, past_top = max(held, default=0), 0
+    for step in itertools.chain(due, [] if last is None else [last]):
         most = max(most, len(on_disk) + 1)
         on_disk.add(step)
-        if keep > 0:
-            up_to = sorted(s for s in on_disk if s <= step)
-            on_disk -= {s for s in up_to[:-keep] if s != resumed}
+        up_to = sorted(s for s in on_disk if s <= step)
+        on_disk -= {s for s in up_to[:-keep] if s != resumed}
+        past_top += step > top
+        if past_top > keep + 2:  # past every held step: each save adds one and prunes one
+            break
     return most
 
 

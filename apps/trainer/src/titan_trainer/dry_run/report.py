@@ -17,7 +17,7 @@ from titan_trainer.config import JobConfig
 from titan_trainer.dry_run.simulate import Simulation, fork_simulations_from_here, simulate
 from titan_trainer.layout import layout_text
 from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
-from titan_trainer.preflight import preflight_problems
+from titan_trainer.preflight import preflight
 
 EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
@@ -89,7 +89,8 @@ def dry_run(config: JobConfig, out=print) -> int:
     except ConfigError as e:
         out(e.render())
         return EXIT_CONFIG
-    problems, notes, vocab_size = preflight_problems(config, world_size, dry_run=True)
+    checked = preflight(config, world_size, dry_run=True)
+    problems, notes, vocab_size = checked.problems, checked.notes, checked.vocab_size
     if problems:
         out(ConfigError(problems).render())
         return EXIT_CONFIG
@@ -102,21 +103,11 @@ def dry_run(config: JobConfig, out=print) -> int:
     except ConfigError as e:  # found only once the model meets its layout: said as the others
         out(e.render())
         return EXIT_CONFIG
-    problems += _checkpoint_problems(config, sim, notes)
+    problems += checked.here + _checkpoint_problems(config, sim, notes)
     out(_table(sim))
     headroom = config.dry_run.headroom_gib
     ok = fits(sim, capacity, headroom)
-    worst = sim.worst.peak / GiB
-    if ok:
-        out(
-            f"verdict: fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank"
-            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
-        )
-    else:
-        out(
-            f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
-            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
-        )
+    out(_verdict(sim, capacity, headroom, ok, problems))
     for note in [*notes, *memory_mode_notes(config, sim.worst.offloaded)]:
         out(f"note: {note}")
     out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
@@ -131,6 +122,29 @@ def dry_run(config: JobConfig, out=print) -> int:
             suggest_changes(config, sim, capacity, headroom, out)
         return EXIT_DOES_NOT_FIT
     return EXIT_FITS
+
+
+def _verdict(
+    sim: Simulation, capacity: float, headroom: float, ok: bool, problems: list[str]
+) -> str:
+    """One line: whether the job fits in memory, and every other reason a launch of it from
+    here would stop (the problems, whose fixes follow the notes)."""
+    worst = sim.worst.peak / GiB
+    peak = f"peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB"
+    if ok:
+        memory = f"fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank ({peak})"
+    else:
+        memory = f"does not fit by {gib_text(worst + headroom - capacity)} GiB ({peak})"
+    if not problems:
+        return f"verdict: {memory}"
+    reasons = "; ".join(first_line(p) for p in problems)
+    if ok:
+        return f"verdict: does not start: memory {memory.replace('fits, ', 'fits, with ', 1)}, but {reasons}"
+    return f"verdict: {memory}; and {reasons}"
+
+
+def first_line(problem: str) -> str:
+    return problem.splitlines()[0]
 
 
 def gib_text(value: float) -> str:
