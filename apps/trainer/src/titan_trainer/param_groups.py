@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from titan_core.init import canonical_name
+if TYPE_CHECKING:  # imported where used: [[optimizer.param_groups]] is read and checked with
+    import torch  # the rest of the config, before torch's seconds of import
+    from torch import nn
 
 DEFAULT = "default"
 """The label of the parameters no [[optimizer.param_groups]] matches."""
@@ -92,6 +91,8 @@ def optimizer_group_problems(cfg) -> list[str]:
 
 def model_names(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(name as the model gives it, parameter) for each trainable parameter of `parts`."""
+    from titan_core.init import canonical_name  # imports torch
+
     return [
         (canonical_name(name), p)
         for part in parts
@@ -152,6 +153,8 @@ def build_param_groups(parts: list[nn.Module], cfg) -> list[dict[str, Any]]:
 
 def _grouped(parts: list[nn.Module], cfg) -> list[tuple[int | None, bool, list[torch.Tensor]]]:
     """(entry index or None, orthogonalised by Muon, parameters) per torch group, in order."""
+    from torch import nn
+
     import titan_parallel
 
     embedding = {

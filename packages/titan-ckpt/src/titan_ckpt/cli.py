@@ -47,6 +47,7 @@ from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
 from titan_core.messages import first_line
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
+from titan_core.versions import add_version_flag
 
 
 class CliError(Exception):
@@ -297,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version_flag(parser, "titan-ckpt", "titan-llm-ckpt")
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="list the complete checkpoints in a folder")
     ls.add_argument("folder")
