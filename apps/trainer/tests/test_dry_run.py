@@ -66,7 +66,8 @@ def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys, 
     assert not (tmp_path / "checkpoint").exists() and "step    1" not in out
 
 
-def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capsys):
+def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capfd):
+    # capfd: the rank roles are simulated in processes of their own, which say their parts.
     result = _titan_train(
         [
             *SMALL,
@@ -83,11 +84,23 @@ def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capsys):
             "--training.local_batch_size",
             "4",
         ],
-        capsys,
+        capfd,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _table_rows(result.stdout)
     assert list(rows) == ["pipeline rank 0", "pipeline rank 1"], result.stdout
+    # The work is said as it goes, on stderr: each role as it starts, its parts, its end with
+    # the time left (the 405B config's roles take minutes each).
+    said = result.stderr
+    assert "dry run: simulating pipeline rank 0 (rank 0 of 2) on fake tensors\n" in said, said
+    for part in ("model built and parallelised", "training step measured"):
+        assert re.search(rf"dry run: pipeline rank 1: {part} \(\d+ s in\)", said), said
+    assert re.search(
+        r"dry run: pipeline rank 0 simulated: step peak [\d.]+ GiB \(1 of 2 done in \d+ s;"
+        r" about \d+ s left\)",
+        said,
+    ), said
+    assert "\ndry run:" not in result.stdout  # the answer stays clean
     # The first stage holds the embedding, the last the output projection and the loss:
     # different ranks, different memory.
     assert rows["pipeline rank 0"] != rows["pipeline rank 1"]

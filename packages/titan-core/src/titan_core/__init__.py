@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from titan_core.messages import first_line, shortlist
     from titan_core.parallel_dims import ParallelDims, dp_coordinates
     from titan_core.plugins import PluginError, available, resolve
+    from titan_core.progress import Progress
     from titan_core.protocols import (
         GLOBAL_STATE,
         Checkpointer,
@@ -134,6 +135,7 @@ __all__ = [
     "ParallelizableModel",
     "PeakFlops",
     "PluginError",
+    "Progress",
     "RunFolderError",
     "Stateful",
     "StateMismatchError",

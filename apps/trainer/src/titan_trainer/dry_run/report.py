@@ -11,10 +11,15 @@ from __future__ import annotations
 import os
 import sys
 
-from titan_core import ConfigError, device_memory_gib, plugins, resolve
+from titan_core import ConfigError, Progress, device_memory_gib, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.simulate import Simulation, fork_simulations_from_here, simulate
+from titan_trainer.dry_run.simulate import (
+    Simulation,
+    fork_simulations_from_here,
+    rank_roles,
+    simulate,
+)
 from titan_trainer.layout import layout_text
 from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
 from titan_trainer.preflight import preflight
@@ -99,7 +104,8 @@ def dry_run(config: JobConfig, out=print) -> int:
     if assumed is not None:
         out(f"note: {assumed}")
     try:
-        sim = simulate(config, world_size, vocab_size)
+        roles = len(rank_roles(config, world_size))
+        sim = simulate(config, world_size, vocab_size, progress=Progress("dry run", roles))
     except ConfigError as e:  # found only once the model meets its layout: said as the others
         out(e.render())
         return EXIT_CONFIG

@@ -12,7 +12,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titan_core import PluginError, plugins, resolve
+from titan_core import PluginError, Progress, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
 from titan_trainer.preflight import preflight_problems
@@ -122,17 +122,18 @@ def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: f
     worst = sim.worst
     pp_index = _pp_index(config, sim.world_size, worst.rank)
     best = None
-    for change in CHANGES:
-        result = change.apply(config, sim.world_size)
-        if result is None:
-            continue
-        changed, world = result
+    applicable = [(change, change.apply(config, sim.world_size)) for change in CHANGES]
+    applicable = [(change, result) for change, result in applicable if result is not None]
+    progress = Progress("dry run: changes", len(applicable))
+    for change, (changed, world) in applicable:
         problems, _, _ = preflight_problems(changed, world, dry_run=True)
         if problems:
             out(f"  - {change.label}: not possible here ({problems[0].splitlines()[0]})")
             continue
         rank = pp_index * (world // changed.parallelism.build_parallel_dims(world).pp)
+        progress.say(f"simulating {change.label} on {worst.role}")
         role = simulate_rank(changed, world, rank, sim.vocab_size, worst.role)
+        progress.done(change.label)
         peak = role.peak / GiB
         free = capacity_gib - peak - headroom_gib
         verdict = f"fits, {free:.1f} GiB free" if free >= 0 else f"short by {gib_text(-free)} GiB"
