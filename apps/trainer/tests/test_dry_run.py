@@ -106,7 +106,9 @@ def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capfd):
     assert rows["pipeline rank 0"] != rows["pipeline rank 1"]
 
 
-def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, capsys):
+def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, capfd):
+    # Selective op checkpointing, as the 8B config: it keeps the matmuls' outputs, which
+    # Float8 leaves in the compute dtype, so Float8 saves nothing here, and says so.
     result = _titan_train(
         [
             *SMALL,
@@ -117,12 +119,14 @@ def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, ca
             "2",
             "--training.seq_len",
             "512",
+            "--activation_checkpoint.mode",
+            "selective",
             "--dry_run.device_memory_gib",
-            "0.12",
+            "0.1",
             "--dry_run.headroom_gib",
             "0",
         ],
-        capsys,
+        capfd,
     )
     assert result.returncode == 3, result.stdout + result.stderr
     out = result.stdout
@@ -130,14 +134,24 @@ def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, ca
     changes = re.findall(r"^  - (.+?): peak ([\d.]+) GiB, (fits|short)", out, re.MULTILINE)
     labels = [c[0] for c in changes]
     assert labels[:2] == [
-        "activation checkpointing: selective (op)",
         "activation checkpointing: full",
+        "Float8 linear layers (model.converters += quantize.linear.float8)",
     ], out
     assert "twice the GPUs (FSDP degree x2)" in labels
     baseline = _table_rows(out)["every rank"][6]
     # Recomputing activations must lower the simulated peak.
-    assert float(changes[1][1]) < baseline
+    assert float(changes[0][1]) < baseline
     assert "cheapest change that fits: activation checkpointing: full" in out, out
+    float8 = next(line for line in out.splitlines() if "Float8 linear layers" in line)
+    assert float8.endswith(
+        "; no lower than now: Float8 runs the matmuls in 8 bits, but what the step keeps for"
+        " backward stays in the compute dtype (selective op checkpointing keeps the matmuls'"
+        " outputs)"
+    ), float8
+    # The report alone on stdout: no line of the simulations' own logging between its lines
+    # (Float8's per-layer lines), and no torch notice anywhere.
+    assert not re.search(r"^\d\d:\d\d:\d\d (INFO|WARNING)", out, re.MULTILINE), out
+    assert "is deprecated" not in out + result.stderr and "[rank0]:W" not in result.stderr
 
 
 def test_every_config_problem_is_reported_together_before_any_simulation(tmp_path, capsys):

@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -196,8 +197,7 @@ def _simulate_rank_here(
     from titan_core import Progress, init_logging
 
     init_logging(rank=0)
-    # Dynamo's advice on compiling this model (the real run prints it too) is not the dry run's.
-    torch._logging.set_logs(dynamo=logging.ERROR)
+    quiet_simulation()
     progress = Progress(f"dry run: {role}", 1) if phases else None
     with fake_process_group(world_size, rank):
         return measure_rank(
@@ -209,6 +209,16 @@ def _simulate_rank_here(
             kernels=kernels,
             phase=None if progress is None else progress.mark,
         )
+
+
+def quiet_simulation() -> None:
+    """What a simulation says is the dry run's table and verdict: its building and stepping
+    log only errors. The real run prints the rest where it matters (Float8's line per layer it
+    keeps in high precision, Dynamo's advice on compiling the model, torch's notices of its
+    own deprecated internals such as `is_opaque_value`), which here only broke up the table."""
+    logging.getLogger("titan").setLevel(logging.WARNING)
+    torch._logging.set_logs(all=logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"torch(\.|$)")
 
 
 def measure_rank(

@@ -137,10 +137,23 @@ def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: f
         peak = role.peak / GiB
         free = capacity_gib - peak - headroom_gib
         verdict = f"fits, {free:.1f} GiB free" if free >= 0 else f"short by {gib_text(-free)} GiB"
+        if role.peak >= worst.peak * 0.999:  # simulated with the change, which saved nothing
+            verdict += f"; no lower than now: {_no_saving(change, config)}"
         out(f"  - {change.label}: peak {peak:.1f} GiB, {verdict}")
         if free >= 0 and best is None:
             best = change.label
     out(f"cheapest change that fits: {best}" if best else "no single change fits; combine them")
+
+
+def _no_saving(change: Change, config: JobConfig) -> str:
+    """Why a change that was simulated leaves the peak where it was."""
+    ac = config.activation_checkpoint
+    if change.apply is _float8 and ac.mode == "selective" and ac.selective_ac_option == "op":
+        return (
+            "Float8 runs the matmuls in 8 bits, but what the step keeps for backward stays in"
+            " the compute dtype (selective op checkpointing keeps the matmuls' outputs)"
+        )
+    return "this change does not lower what the fullest rank holds at its peak"
 
 
 def _pp_index(config: JobConfig, world: int, rank: int) -> int:
