@@ -72,7 +72,9 @@ nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
     "lint",
     "layers",
+    "release",
     "packaging",
+    "oldest-siblings",
     *(f"isolated-{p}" for p in LIBRARIES),
     "tests-titan-trainer",
     "summary",

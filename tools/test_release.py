@@ -208,3 +208,8 @@ def test_a_package_installs_and_runs_with_its_siblings_oldest_allowed_release(re
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert done.stdout.split() == ["0.1.0", "0.1.1", "42"]
+
+
+def test_this_repository_passes_its_release_check():
+    problems = release.check()
+    assert problems == [], "\n".join(problems)
