@@ -149,10 +149,11 @@ def oldest_siblings(session: nox.Session) -> None:
         oldest = _oldest_siblings(dist)
         older = {name: release for name, release in oldest.items() if release[1] is not None}
         if not older:
+            covered = f"isolated-{dist}" if dist in LIBRARIES else f"tests-{dist}"
             session.log(
                 f"{dist}: every sibling's oldest allowed release is the workspace's"
                 f" ({', '.join(f'{n} {v}' for n, (v, _) in oldest.items()) or 'no siblings'});"
-                f" isolated-{dist} installs exactly those"
+                f" {covered} tests it with exactly those"
             )
             continue
         wheels = Path(session.create_tmp()) / f"oldest-{dist}"
