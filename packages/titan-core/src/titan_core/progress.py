@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 
 class Progress:
-    """`total` parts of work called `what` (the prefix of every line)."""
+    """`total` parts of work called `what` (the prefix of every line). `out` takes each line
+    (default: stderr, flushed; a process doing part of the work may pass its lines on to the
+    one that speaks)."""
 
-    def __init__(self, what: str, total: int):
+    def __init__(self, what: str, total: int, out: Callable[[str], object] | None = None):
         self.what, self.total, self.count = what, total, 0
         self.start = time.perf_counter()
+        self.out = out or _to_stderr
 
     def say(self, text: str) -> None:
-        print(f"{self.what}: {text}", file=sys.stderr, flush=True)
+        self.out(f"{self.what}: {text}")
 
     def mark(self, text: str) -> None:
         """`text`, with the time since the work started (parts of unequal length)."""
@@ -31,6 +35,10 @@ class Progress:
         left = self.total - self.count
         rest = f"; about {duration(elapsed / self.count * left)} left" if left > 0 else ""
         self.say(f"{part} ({self.count} of {self.total} done in {duration(elapsed)}{rest})")
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def duration(seconds: float) -> str:

@@ -22,6 +22,7 @@ import gc
 import importlib
 import logging
 import multiprocessing
+import queue
 import sys
 import time
 import warnings
@@ -132,10 +133,34 @@ def simulate_rank(
     Runs in a fresh process: torch caches decisions about meshes and process groups (DTensor's
     redistribution plans) that would leak from one simulated rank into the next.
     """
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=fresh_processes()) as pool:
-        return pool.submit(
+    context = fresh_processes()
+    # The simulation's own lines come back to this process, which says them: a process forked
+    # from a server started earlier writes to whatever stderr that server had.
+    lines = context.Queue() if phases else None
+    with concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=context, initializer=_send_phases_to, initargs=(lines,)
+    ) as pool:
+        future = pool.submit(
             _simulate_rank_here, config, world_size, rank, vocab_size, role, kernels, phases
-        ).result()
+        )
+        finished = False
+        while lines is not None:
+            try:  # once the result is in, a last line may still be on its way: wait a little
+                print(lines.get(timeout=1.0 if finished else 0.2), file=sys.stderr, flush=True)
+            except queue.Empty:
+                if finished:
+                    break
+                finished = future.done()
+        return future.result()
+
+
+_phase_lines = None
+"""Where a simulation's process sends the lines that say its parts (a queue to the parent)."""
+
+
+def _send_phases_to(lines) -> None:
+    global _phase_lines
+    _phase_lines = lines
 
 
 def fresh_processes() -> multiprocessing.context.BaseContext:
@@ -198,7 +223,7 @@ def _simulate_rank_here(
 
     init_logging(rank=0)
     quiet_simulation()
-    progress = Progress(f"dry run: {role}", 1) if phases else None
+    progress = Progress(f"dry run: {role}", 1, out=_phase_lines.put) if phases else None
     with fake_process_group(world_size, rank):
         return measure_rank(
             config,
