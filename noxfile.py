@@ -73,7 +73,9 @@ nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
     "lint",
     "layers",
+    "release",
     "packaging",
+    "oldest-siblings",
     *(f"isolated-{p}" for p in LIBRARIES),
     "tests-titan-trainer",
     "cluster",
@@ -134,6 +136,70 @@ def layers(session: nox.Session) -> None:
     session.run("uv", "run", "--frozen", "python", "tools/check_declared_deps.py")
 
 
+@nox.session(venv_backend="none")
+def release(session: nox.Session) -> None:
+    """The release process's checks (docs/releasing.md, tools/release.py): each version is the
+    newest release of its CHANGELOG, a public API that changed since it has an Unreleased
+    entry (so the next release moves the version), and every requirement on a sibling follows
+    what the package uses of it."""
+    session.run("uv", "run", "--frozen", "python", "tools/release.py", "check")
+
+
+@nox.session(name="oldest-siblings")
+def oldest_siblings(session: nox.Session) -> None:
+    """Each package's tests against its siblings' oldest allowed releases (the lower bounds of
+    its requirements), built from their release commits, where one is older than the
+    workspace's; a package whose bounds allow only the workspace's siblings is said to be
+    covered by its isolated session, which installs exactly those."""
+    for dist in PACKAGES:
+        oldest = _oldest_siblings(dist)
+        older = {name: release for name, release in oldest.items() if release[1] is not None}
+        if not older:
+            covered = f"isolated-{dist}" if dist in LIBRARIES else f"tests-{dist}"
+            session.log(
+                f"{dist}: every sibling's oldest allowed release is the workspace's"
+                f" ({', '.join(f'{n} {v}' for n, (v, _) in oldest.items()) or 'no siblings'});"
+                f" {covered} tests it with exactly those"
+            )
+            continue
+        wheels = Path(session.create_tmp()) / f"oldest-{dist}"
+        shutil.rmtree(wheels, ignore_errors=True)
+        for name, (version, commit) in older.items():
+            session.log(f"{dist}: {name} {version} from its release commit {commit[:12]}")
+            _build_at_commit(session, name, commit, wheels)
+        _isolated(session, dist, pins=(), prebuilt=wheels)
+
+
+def _oldest_siblings(dist: str) -> dict[str, tuple[str, str | None]]:
+    """{sibling distribution: (oldest allowed version, its release commit or None when it is
+    the workspace's)} for package `dist` (tools/release.py oldest)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "release.py"), "oldest", _distribution(dist)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    )  # fmt: skip
+    out = {}
+    for line in done.stdout.splitlines():
+        name, version, commit = line.split()
+        out[name] = (version, None if commit == "working-tree" else commit)
+    return out
+
+
+def _build_at_commit(session: nox.Session, dist: str, commit: str, out: Path) -> None:
+    """The wheel of distribution `dist` as its sources were at `commit`."""
+    folder = next(PACKAGES[p] for p in PACKAGES if _distribution(p) == dist)
+    tree = Path(session.create_tmp()) / f"src-{commit[:12]}"
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", commit, folder], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    session.run(
+        "uv", "build", "--wheel", "--quiet", "--out-dir", str(out), str(tree / folder),
+        external=True,
+    )  # fmt: skip
+
+
 # Tests the default set runs in another session already, where they check more: `packaging`
 # runs the README's by-name commands against the installed wheel (three debug-model trainings,
 # 30 s or more), the path a user of `pip install` takes.
@@ -163,13 +229,20 @@ for _dist in PACKAGES:
         _isolated(session, dist)
 
 
-def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> None:
+def _isolated(
+    session: nox.Session, dist: str, pins: tuple[str, ...] = (), prebuilt: Path | None = None
+) -> None:
     """`dist`'s wheel and the titan wheels it needs in the session's venv, with `pins` (extra
-    requirements such as a torch version) resolved together with them; then its tests."""
+    requirements such as a torch version) resolved together with them; then its tests. A
+    titan wheel in `prebuilt` (a sibling's older release) is installed instead of building
+    the workspace's."""
     wheels = Path(session.create_tmp()) / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)
     needed = _titan_closure(dist)
+    given = {w.name.split("-")[0]: w for w in prebuilt.glob("*.whl")} if prebuilt else {}
     for name in needed:
+        if _distribution(name).replace("-", "_") in given and name != dist:
+            continue
         session.run(
             "uv",
             "build",
@@ -182,7 +255,10 @@ def _isolated(session: nox.Session, dist: str, pins: tuple[str, ...] = ()) -> No
             str(wheels),
             external=True,
         )
-    built = {name: _wheel(wheels, name) for name in needed}
+    built = {
+        name: given.get(_distribution(name).replace("-", "_")) or _wheel(wheels, name)
+        for name in needed
+    }
     # Siblings are not on the index yet, so their freshly built wheels stand in for it.
     workers = [XDIST] if dist in PARALLEL else []
     session.install(

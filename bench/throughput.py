@@ -80,7 +80,7 @@ if __name__ == "__main__":
 
 import torch
 
-from titan_core import init_distributed, load_config, peak_flops, resolve_device_type
+from titan_core import Progress, init_distributed, load_config, peak_flops, resolve_device_type
 from titan_core.distributed import destroy_distributed
 from titan_trainer.attention import apply_attention_backend
 from titan_trainer.config import JobConfig
@@ -123,6 +123,7 @@ def build_variant(variant: Variant, args, info, dump: str) -> None:
         "--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
         "--training.local_batch_size", str(args.batch_size), "--training.steps",
         str(args.warmup + args.steps), "--activation_checkpoint.mode", "none",
+        "--lr_scheduler.warmup_steps", "0",  # a few steps: the rate does not change the time
         "--training.mixed_precision_param", args.dtype, "--job.dump_folder", dump,
         *args.common, *variant.flags,
     ]  # fmt: skip
@@ -277,15 +278,24 @@ def main(args: argparse.Namespace) -> None:
         for flavor in args.flavors.split(","):
             args.flavor = flavor
             variants = variants_from(args.variants)
+            # Each round steps every variant once: said as it ends, with the time left (on
+            # stderr; the results are the JSON lines on stdout).
+            rounds = args.warmup + args.steps
+            progress = Progress(f"throughput {flavor}", len(variants) + rounds)
             with tempfile.TemporaryDirectory() as dump:
                 for variant in variants:
                     build_variant(variant, args, info, dump)
+                    if info.rank == 0:
+                        progress.done(f"variant {variant.name} built")
                 gc.disable()  # as the trainer does during its steps
-                for number in range(1, args.warmup + args.steps + 1):
+                for number in range(1, rounds + 1):
                     for variant in variants:
                         times = variant.step(number)
                         if number > args.warmup:
                             variant.times.append(times)
+                    if info.rank == 0:
+                        kind = "warm-up" if number <= args.warmup else "timed"
+                        progress.done(f"step {number} of {rounds} ({kind}) of every variant")
                 gc.enable()
             baseline = None
             for variant in variants:

@@ -12,6 +12,8 @@ Checked for every package:
 - authors, classifiers (Python versions, `Typing :: Typed`) and project URLs on REPOSITORY;
 - a static SemVer version, which `__version__` reads from the installed metadata (no copy);
 - an upper bound on every requirement (runtime, extras and build);
+- numpy beside torch (torch imports it without declaring it, and warns on every import where it
+  is missing);
 - its distribution name is `titan-llm-<name>` for the module `titan_<name>`, and every
   requirement on a titan distribution names one of those seven (a name another project holds,
   like `titan-core`, could be satisfied by that project's releases);
@@ -147,6 +149,13 @@ def check_package(folder: Path, root_license: str, root: Path = ROOT) -> list[st
         problem(
             f"requirement {requirement!r} names a distribution that is not Titan's (Titan's: "
             f"{', '.join(sorted(DISTRIBUTIONS))}); another project's releases could satisfy it"
+        )
+    declared = {_normalized(_name(r)) for r in meta.get("dependencies", [])}
+    if "torch" in declared and "numpy" not in declared:
+        problem(
+            "requires torch but not numpy: torch imports numpy without declaring it, and warns"
+            ' "Failed to initialize NumPy" on every import where it is missing; add'
+            ' "numpy>=1.26,<3"'
         )
     for requirement in requirements:
         if not _upper_bounded(requirement):

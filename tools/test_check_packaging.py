@@ -49,6 +49,7 @@ def test_a_copy_passes_until_something_is_broken(core_copy):
         (lambda f: (f / "LICENSE").unlink(), "has no LICENSE file"),
         (lambda f: (f / "LICENSE").write_text("MIT\n"), "differs from the repository's LICENSE"),
         (lambda f: (f / "src/titan_core/py.typed").unlink(), "py.typed"),
+        (lambda f: _edit(f / "pyproject.toml", '    "numpy>=1.26,<3",\n', ""), "requires torch but not numpy"),
         (lambda f: _edit(f / "pyproject.toml", '"torch>=2.11,<2.16"', '"torch>=2.11"'), "'torch>=2.11' has no upper bound"),
         (lambda f: _edit(f / "pyproject.toml", 'authors = [{ name = "The Titan authors" }]\n', ""), "authors"),
         (lambda f: _edit(f / "pyproject.toml", '    "Typing :: Typed",\n', ""), "Typing :: Typed"),

@@ -129,3 +129,37 @@ def test_install_instructions_name_only_titans_own_distributions():
         and (str(path.relative_to(ROOT)), name) not in FOREIGN_ON_PURPOSE
     ]
     assert not wrong, "install names that are not Titan's distributions:\n" + "\n".join(wrong)
+
+
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    """A command a README shows, typed at the repository's root, leaves nothing for `git
+    status` to show: every folder it writes (`--out`, `--job.dump_folder`, a dump folder's
+    `outputs/`) is ignored."""
+    readmes = [ROOT / "README.md", ROOT / "bench/README.md", *(f / "README.md" for f in members())]
+    written = set()
+    for readme in readmes:
+        for line in _shell_lines(readme.read_text()):
+            for flag in ("--out", "--job.dump_folder"):
+                written.update(re.findall(rf"{flag}[ =](\S+)", line))
+    written = {w for w in written if not w.startswith(("/", "$", "<", "DIR", "OUT"))}
+    assert "tokens/pydocs" in written and "outputs/ranger21" in written, sorted(written)
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", *(f"{w}/a-file" for w in sorted(written))],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    ignored = {line.removesuffix("/a-file") for line in done.stdout.splitlines()}
+    assert ignored == written, f"not ignored by git: {sorted(written - ignored)}"
+
+
+def _shell_lines(markdown: str) -> list[str]:
+    """The lines of a document's shell blocks (```bash, ```sh, or a fence naming no language)."""
+    lines, language = [], None
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            language = line[3:].strip() if language is None else None
+            continue
+        # A command, not the output a block shows (`titan: error: ...`, indented lines).
+        command = re.match(r"[\w./-]+[ =]", line) and not line.startswith(("titan: ", "step "))
+        if language in ("bash", "sh", "") and command:
+            lines.append(line)
+    return lines

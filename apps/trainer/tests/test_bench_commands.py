@@ -241,6 +241,19 @@ def test_bench_readme_throughput_commands_run_at_toy_sizes():
                 "optimizer",
                 "logging",
             }
+        # Never silent for long: each variant built and each step of them all, with the time
+        # left, on stderr (2 timed steps, no warm-up: TOY).
+        rounds = len(variants) + 2
+        flavor = flags["--flavors"]
+        assert "warmup_steps" not in done.stderr  # the schedule does not matter to the times
+        assert f"throughput {flavor}: variant {variants[0]} built (1 of {rounds} done in" in (
+            done.stderr
+        ), done.stderr[-3000:]
+        assert re.search(
+            rf"throughput {flavor}: step 1 of 2 \(timed\) of every variant \({rounds - 1} of"
+            rf" {rounds} done in [\w ]+; about [\w ]+ left\)",
+            done.stderr,
+        ), done.stderr[-3000:]
         if "--model.attention_backend" in command:  # the kernel each variant ran
             assert [r["attention"] for r in records] == ["default", records[1]["attention"], "math"]
             assert records[1]["attention"] in ("flash", "math")  # auto: a CPU kernel

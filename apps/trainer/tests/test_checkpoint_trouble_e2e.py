@@ -218,3 +218,54 @@ def test_a_disk_that_fills_mid_run_is_one_message_and_the_last_checkpoint_stays_
     assert sorted(p.name for p in out.iterdir()) == [".titan.lock", "step-2"]
     assert checkpoint_problems(out / "step-2") == []
     assert list(tmp_path.rglob(".titan-write-test-*")) == []
+
+
+# A disk that holds two of the run's checkpoints and not three (each 57.4 MiB): a first run
+# saves step 2, a second resumes from it with keep_latest_k = 1 to save steps 4 and 6, and
+# would hold three at its last save (it keeps step 2, which it resumed from).
+RESUME_ON_A_SMALL_DISK = r"""
+mount -t tmpfs -o size=150m tmpfs "$CKPT" || exit 90
+"$PYTHON" -m titan_trainer "$@" --training.steps 2 > "$LOG.first" 2>&1 || exit 91
+"$PYTHON" -m titan_trainer "$@" --training.steps 6 > "$LOG" 2>&1
+code=$?
+cp -a "$CKPT/." "$OUT/"
+exit $code
+"""
+
+
+def test_a_resume_whose_checkpoints_cannot_fit_is_refused_before_it_trains(tmp_path):
+    ckpt, out = tmp_path / "small-disk", tmp_path / "copied"
+    ckpt.mkdir()
+    out.mkdir()
+    args = _args(
+        tmp_path / "run",
+        *("--checkpoint.enable", "--checkpoint.interval", "2"),
+        *("--checkpoint.keep_latest_k", "1", "--checkpoint.folder", str(ckpt)),
+    )
+    env = {
+        **os.environ,
+        **{"CKPT": str(ckpt), "OUT": str(out), "LOG": str(tmp_path / "run.log")},
+        **{"PYTHON": sys.executable, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "2"},
+    }
+    done = subprocess.run(
+        [*_in_own_mount_namespace(), "sh", "-c", RESUME_ON_A_SMALL_DISK, "sh", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = (tmp_path / "run.log").read_text()
+    assert done.returncode == 2, f"{shlex.join(args)}\n{done.stderr}\n{log[-3000:]}"
+    from titan_ckpt.layout import checkpoint_bytes
+    from titan_ckpt.preflight import size_text
+
+    # Each checkpoint counted at the size of the one there, which a failed save would quote.
+    each = size_text(checkpoint_bytes(out / "step-2"))
+    assert (
+        f"[checkpoint] the checkpoints will not fit on the disk of {ckpt}: each holds about"
+        f" {each} (the size of step-2, the newest there), this run saves 2 (keep_latest_k = 1"
+        " keeps 1, plus the one being written, plus step-2, which this run resumes from and"
+        " keeps)"
+    ) in log, log[-3000:]
+    assert "| loss" not in log and "Traceback" not in log
+    assert sorted(p.name for p in out.iterdir()) == [".titan.lock", "step-2"]

@@ -58,7 +58,7 @@ def test_the_table_gives_first_last_and_largest_difference_per_metric(runs, tmp_
     tokens = next(line for line in out if line.startswith("tokens_per_s "))
     assert tokens.split()[4:] == ["+0.000e+00", "+0.000e+00", "+0.000e+00", "1"]
     width, height = png_size(plot)
-    assert width >= 600 and height >= 500  # two metrics, each with a difference panel
+    assert width >= 900 and height >= 350  # two metrics side by side, each with its differences
 
 
 def test_a_tolerance_fails_the_command_with_the_metric_step_and_size(runs, capsys):
@@ -174,3 +174,50 @@ def test_the_comparison_plot_goes_beside_the_runs_by_default(runs, tmp_path, mon
     assert (a / "compare.png").is_file() and not list(elsewhere.iterdir())
     assert main([str(a), str(b), "--out", str(tmp_path / "mine.png")]) == 0
     assert (tmp_path / "mine.png").is_file()
+
+
+def test_the_comparison_figure_reads_at_a_glance(tmp_path):
+    # Eleven metrics, as a run logs them, two of which are 0 throughout (skipped steps and
+    # rows): a grid three cells across, those two left out and named, each run's difference
+    # in its own colour, whole-step ticks, and nothing clipped.
+    from titan_trainer.compare_plot import comparison_figure
+
+    names = ["loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu_pct", "mem_peak_gib",
+             "step_time_s", "data_pct", "skipped_steps", "skipped_rows"]  # fmt: skip
+    runs = {}
+    for run, shift in (("outputs/fsdp", 0.0), ("outputs/fsdp_tp", 0.01)):
+        runs[run] = {
+            name: {
+                s: (0.0 if name.startswith("skipped") else i + 1 + s * 0.1 + shift) for s in STEPS
+            }
+            for i, name in enumerate(names)
+        }
+    drawn = comparison_figure(runs, names, "outputs/fsdp")
+    assert drawn.left_out == ["skipped_steps", "skipped_rows"]
+    assert drawn.drawn == names[:9]
+    figure = drawn.figure
+    width, height = figure.get_size_inches() * figure.dpi
+    assert width >= 1200 and height <= 1.5 * width, (width, height)  # 3 x 3 cells, not a strip
+    assert figure._suptitle.get_text() == (
+        "difference from fsdp; all 0, not drawn: skipped_steps, skipped_rows"
+    )
+    figure.draw_without_rendering()  # lays it out as savefig does
+    frame = figure.bbox
+    grid = [a for a in figure.axes if a.get_visible()]
+    assert len(grid) == 2 * 9
+    pairs = [
+        (v, d) for v in grid for d in grid if d.get_shared_x_axes().joined(v, d) and v is not d
+    ]
+    pairs = [(v, d) for v, d in pairs if v.get_title()]  # (curves, differences) of each metric
+    assert len(pairs) == 9
+    for values, diffs in pairs:
+        run_colours = [line.get_color() for line in values.lines]
+        assert [line.get_color() for line in diffs.lines if line.get_marker() == "."] == (
+            run_colours[1:]
+        ), values.get_title()
+        for ax in (values, diffs):
+            ticks = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+            assert all(re.fullmatch(r"\d+", t) for t in ticks), ticks
+        label = diffs.yaxis.label.get_window_extent()
+        assert label.x0 >= frame.x0 and label.y0 >= frame.y0 and label.y1 <= frame.y1
+    assert [t.get_text() for t in pairs[0][0].get_legend().get_texts()] == ["fsdp", "fsdp_tp"]

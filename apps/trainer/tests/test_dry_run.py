@@ -34,19 +34,28 @@ def _table_rows(stdout: str) -> dict[str, list[float]]:
     return rows
 
 
-def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys):
+def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys, monkeypatch):
     # cuDNN attention, which this CPU lacks: the dry run neither times nor checks the kernel
-    # (the job's GPUs do, at start-up).
+    # (the job's GPUs do, at start-up). No world size: the debug config's 1 is unset, and an
+    # open FSDP degree leaves it to the job, as in every torchtitan TOML; the dry run takes
+    # one node of 8 and says so.
+    monkeypatch.delenv("NGPU", raising=False)
     result = _titan_train(
-        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "2",
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "none",
          "--model.attention_backend", "cudnn"],
         capsys,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "attention: " not in out + result.stderr
-    assert "titan dry run: llama3 debugmodel on 2 x H100 (79.2 GiB)" in out, out
-    assert "layout dp_shard 2 | seq 64" in out
+    assert "titan dry run: llama3 debugmodel on 8 x H100 (79.2 GiB)" in out, out
+    assert "layout dp_shard 8 | seq 64" in out
+    assert (
+        "note: world size 8: data_parallel_shard_degree = -1 takes what the job's processes"
+        " leave, and neither [dry_run] world_size nor NGPU names them, so one node of 8 GPUs"
+        " is assumed, as torchtitan's launcher does; --dry_run.world_size N (or NGPU=N)"
+        " simulates another"
+    ) in out
     rows = _table_rows(out)
     assert list(rows) == ["every rank"], out
     kinds = rows["every rank"]
@@ -57,7 +66,8 @@ def test_debug_model_dry_run_prints_the_memory_table_and_fits(tmp_path, capsys):
     assert not (tmp_path / "checkpoint").exists() and "step    1" not in out
 
 
-def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capsys):
+def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capfd):
+    # capfd: the rank roles are simulated in processes of their own, which say their parts.
     result = _titan_train(
         [
             *SMALL,
@@ -74,17 +84,31 @@ def test_torchtitan_spelling_simulates_each_pipeline_rank(tmp_path, capsys):
             "--training.local_batch_size",
             "4",
         ],
-        capsys,
+        capfd,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = _table_rows(result.stdout)
     assert list(rows) == ["pipeline rank 0", "pipeline rank 1"], result.stdout
+    # The work is said as it goes, on stderr: each role as it starts, its parts, its end with
+    # the time left (the 405B config's roles take minutes each).
+    said = result.stderr
+    assert "dry run: simulating pipeline rank 0 (rank 0 of 2) on fake tensors\n" in said, said
+    for part in ("model built and parallelised", "training step measured"):
+        assert re.search(rf"dry run: pipeline rank 1: {part} \(\d+ s in\)", said), said
+    assert re.search(
+        r"dry run: pipeline rank 0 simulated: step peak [\d.]+ GiB \(1 of 2 done in \d+ s;"
+        r" about \d+ s left\)",
+        said,
+    ), said
+    assert "\ndry run:" not in result.stdout  # the answer stays clean
     # The first stage holds the embedding, the last the output projection and the loss:
     # different ranks, different memory.
     assert rows["pipeline rank 0"] != rows["pipeline rank 1"]
 
 
-def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, capsys):
+def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, capfd):
+    # Selective op checkpointing, as the 8B config: it keeps the matmuls' outputs, which
+    # Float8 leaves in the compute dtype, so Float8 saves nothing here, and says so.
     result = _titan_train(
         [
             *SMALL,
@@ -95,12 +119,14 @@ def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, ca
             "2",
             "--training.seq_len",
             "512",
+            "--activation_checkpoint.mode",
+            "selective",
             "--dry_run.device_memory_gib",
-            "0.12",
+            "0.1",
             "--dry_run.headroom_gib",
             "0",
         ],
-        capsys,
+        capfd,
     )
     assert result.returncode == 3, result.stdout + result.stderr
     out = result.stdout
@@ -108,14 +134,24 @@ def test_a_job_that_does_not_fit_exits_3_with_each_change_simulated(tmp_path, ca
     changes = re.findall(r"^  - (.+?): peak ([\d.]+) GiB, (fits|short)", out, re.MULTILINE)
     labels = [c[0] for c in changes]
     assert labels[:2] == [
-        "activation checkpointing: selective (op)",
         "activation checkpointing: full",
+        "Float8 linear layers (model.converters += quantize.linear.float8)",
     ], out
     assert "twice the GPUs (FSDP degree x2)" in labels
     baseline = _table_rows(out)["every rank"][6]
     # Recomputing activations must lower the simulated peak.
-    assert float(changes[1][1]) < baseline
+    assert float(changes[0][1]) < baseline
     assert "cheapest change that fits: activation checkpointing: full" in out, out
+    float8 = next(line for line in out.splitlines() if "Float8 linear layers" in line)
+    assert float8.endswith(
+        "; no lower than now: Float8 runs the matmuls in 8 bits, but what the step keeps for"
+        " backward stays in the compute dtype (selective op checkpointing keeps the matmuls'"
+        " outputs)"
+    ), float8
+    # The report alone on stdout: no line of the simulations' own logging between its lines
+    # (Float8's per-layer lines), and no torch notice anywhere.
+    assert not re.search(r"^\d\d:\d\d:\d\d (INFO|WARNING)", out, re.MULTILINE), out
+    assert "is deprecated" not in out + result.stderr and "[rank0]:W" not in result.stderr
 
 
 def test_every_config_problem_is_reported_together_before_any_simulation(tmp_path, capsys):
@@ -143,17 +179,6 @@ def test_every_config_problem_is_reported_together_before_any_simulation(tmp_pat
     assert "rank role" not in out  # no simulation of a job that cannot start
 
 
-def test_world_size_must_be_known(tmp_path, capsys, monkeypatch):
-    # the debug config names 1 process; without that, an open FSDP degree leaves it unknown
-    monkeypatch.setenv("NGPU", "")
-    result = _titan_train(
-        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--dry_run.world_size", "none"],
-        capsys,
-    )
-    assert result.returncode == 2
-    assert "needs the job's world size" in result.stdout and "--dry_run.world_size" in result.stdout
-
-
 def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path, capsys):
     trained = _titan_train(
         [
@@ -169,9 +194,12 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path,
         capsys,
     )
     assert trained.returncode == 0, trained.stdout + trained.stderr
+    # Two ranks, with the 8 samples a step the checkpoint's data position counts in.
+    two_ranks = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
     same = _titan_train(
         [
             *SMALL,
+            *two_ranks,
             "--job.dump_folder",
             str(tmp_path),
             "--checkpoint.enable",
@@ -186,6 +214,7 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path,
     other = _titan_train(
         [
             *SMALL,
+            *two_ranks,
             "--job.dump_folder",
             str(tmp_path),
             "--checkpoint.enable",
@@ -200,6 +229,29 @@ def test_a_checkpoint_of_another_flavor_is_found_before_the_job_starts(tmp_path,
     assert other.returncode == 2, other.stdout + other.stderr
     assert "does NOT load into this layout" in other.stdout
     assert "has other shapes than this model" in other.stdout, other.stdout
+
+
+def test_checkpoints_that_cannot_fit_on_this_disk_are_part_of_the_one_verdict(tmp_path, capsys):
+    # Every step saved and every checkpoint kept: no disk holds them. A launch from here stops
+    # for it (exit 2), and so does the dry run's verdict, beside the memory's.
+    result = _titan_train(
+        [*SMALL, "--job.dump_folder", str(tmp_path), "--dry-run", "--checkpoint.enable",
+         "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
+         "--training.steps", "100000000"],
+        capsys,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    verdict = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
+    assert len(verdict) == 1, result.stdout
+    assert re.fullmatch(
+        r"verdict: does not start: memory fits, with [\d.]+ GiB free on the fullest rank \(peak"
+        r" [\d.]+ GiB \+ 4 GiB headroom of 79.2 GiB\), but \[checkpoint\] the checkpoints will not"
+        rf" fit on the disk of {re.escape(str(tmp_path))}/checkpoint: .* this run saves 100000000"
+        r" \(keep_latest_k = 0 keeps every one\), so it needs .* more and the disk has .* free",
+        verdict[0],
+    ), verdict
+    assert "lower [checkpoint] keep_latest_k" in result.stdout  # the fixes, after the notes
+    assert not (tmp_path / "checkpoint").exists()
 
 
 @pytest.mark.parametrize(

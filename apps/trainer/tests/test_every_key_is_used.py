@@ -20,7 +20,6 @@ REPO = TESTS.parents[2]
 
 # key -> the test that shows its effect, for keys the single-process runs cannot reach.
 ELSEWHERE = {
-    "job.config_file": "packages/titan-core/tests/test_config.py::test_toml_values_override_defaults_and_nested_sections_load",
     "comm.mode": "apps/trainer/tests/test_dry_run.py::test_torchtitan_spelling_simulates_each_pipeline_rank",
     "dry_run.device": "apps/trainer/tests/test_dry_run.py::test_debug_model_dry_run_prints_the_memory_table_and_fits",
     "dry_run.all_ranks": "apps/trainer/tests/test_dry_run.py::test_all_ranks_simulates_every_pipeline_rank",

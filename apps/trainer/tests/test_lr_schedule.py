@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -120,3 +121,34 @@ def test_a_resumed_run_takes_its_lr_from_the_config_whatever_the_optimizer_loade
     )
     (message,) = [r.getMessage() for r in caplog.records if r.name.startswith("titan")]
     assert "[optimizer] lr 1 -> 0.5" in message and "lr 1 there" in message, message
+
+
+def _warnings(caplog, warmup: int, steps: int) -> tuple[list[float], list[str]]:
+    caplog.clear()
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="titan"):
+        scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=warmup), steps)
+    lrs = _run(optimizer, scheduler, steps)
+    return lrs, [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it_and_said_with_the_effective_warmup(caplog):
+    # The run: warm-up 100 on 6 steps follows a 6-step warm-up (torchtitan's rule).
+    lrs, said = _warnings(caplog, warmup=100, steps=6)
+    assert lrs == pytest.approx([1e-3 * (s + 1) / 7 for s in range(6)])
+    assert said == [
+        "[lr_scheduler] warmup_steps = 100 is longer than the run ([training] steps = 6): the"
+        " warm-up is cut to the run's 6 steps, so the learning rate only rises, to 6/7 of the"
+        " peak (0.00086 of [optimizer] lr = 0.001) at the last step, and never decays; set"
+        " warmup_steps below training.steps (a tenth to a fifth of them) for a warm-up, a"
+        " plateau and a decay"
+    ]
+
+
+def test_a_warmup_as_long_as_the_run_is_said_and_a_shorter_one_is_not(caplog):
+    _, said = _warnings(caplog, warmup=10, steps=10)
+    assert len(said) == 1 and "warmup_steps = 10 covers the whole run" in said[0], said
+    assert "10/11 of the peak" in said[0]
+    _, said = _warnings(caplog, warmup=9, steps=10)
+    assert said == []

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_ckpt import checkpoint_problems, load_consolidated
+from titan_ckpt import Checkpoint, checkpoint_problems, load_consolidated
 from titan_ckpt.cli import main as titan_ckpt
 from titan_ckpt.layout import read_commit
 from titan_trainer.cli import main as titan_train
+from titan_trainer.stopping import after_interrupt
 
 FAST = [
     "--training.mixed_precision_param",
@@ -235,8 +236,28 @@ def test_sigterm_and_ctrl_c_stop_with_exit_status_143_and_130(tmp_path):
     assert re.search(r"SIGTERM: stopping at step \d+ without a checkpoint", log), log
     assert "saving" not in log
     log = runs[signal.SIGINT].log.read_text()
-    assert re.search(r"Ctrl-C: stopped at step \d+", log), log
-    assert "Traceback" not in log
+    assert re.search(
+        r"Ctrl-C: stopped at step \d+ without a checkpoint \(checkpoint.enable is false\): a"
+        r" rerun starts again at step 0",
+        log,
+    ), log
+    assert "Traceback" not in log and "checkpoint stays" not in log
+
+
+def test_what_ctrl_c_leaves_to_resume_from_is_said_as_it_is():
+    every_25 = Checkpoint(enable=True, interval=25)
+    assert after_interrupt(every_25, step=7, start_step=0) == (
+        "Ctrl-C: stopped at step 7, before the first checkpoint (due at step 25, [checkpoint]"
+        " interval): there is none to resume from, and a rerun starts again at step 0"
+    )
+    assert after_interrupt(every_25, step=57, start_step=0) == (
+        "Ctrl-C: stopped at step 57; a rerun resumes from the checkpoint of step 50"
+    )
+    assert after_interrupt(every_25, step=57, start_step=55) == (
+        "Ctrl-C: stopped at step 57, before this run's first checkpoint (due at step 75): a"
+        " rerun resumes from step 55, where this run started"
+    )
+    assert "without a checkpoint" in after_interrupt(Checkpoint(), step=3, start_step=0)
 
 
 def _main(args, capsys) -> tuple[int, str, str]:
@@ -276,26 +297,33 @@ def test_a_diverging_run_stops_without_applying_or_saving_the_nan_step(tmp_path,
     assert titan_ckpt(["verify", "--values", str(folder)]) == 0
 
 
-def test_data_that_yields_no_tokens_stops_the_run_at_start_up(tmp_path, capsys):
+def test_data_that_cannot_train_stops_the_run_before_it_starts_with_one_exit_status(
+    tmp_path, capsys
+):
+    # Whether the pre-start checks find it (an empty file) or the loader as it is built (no
+    # token in a pass, a bad row): the run never started, so every one is a config error,
+    # exit 2 (a bad row exited 1 and an empty .jsonl 2).
+    (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "empty.txt").write_text("")
-    code, out, err = _main(
-        _debug(tmp_path, "--training.dataset", str(tmp_path / "empty.txt")), capsys
-    )
-    assert code == 1, out + err
-    assert error_of(err).startswith(
-        f"titan: error: [training] dataset '{tmp_path / 'empty.txt'}':"
-    ), err
-    assert "no token in a whole pass" in err and "Traceback" not in err
-
-
-def test_a_bad_row_is_named_by_file_and_line_before_training(tmp_path, capsys):
     path = tmp_path / "data.jsonl"
     good = [f'{{"text": "document {i} with a few words"}}\n' for i in range(300)]
     path.write_text("".join(good[:6]) + '{"text": 17}\n' + "".join(good[6:]))
-    code, out, err = _main(_debug(tmp_path, "--training.dataset", str(path)), capsys)
-    assert code == 1, out + err
-    assert f"{path}:7: field 'text' holds int, not text" in err
-    assert 'set bad_rows = "skip"' in err and "| loss" not in out
+    for data, said in (
+        (tmp_path / "empty.jsonl", "is empty"),
+        (tmp_path / "empty.txt", "no token in a whole pass"),
+        (path, f"{path}:7: field 'text' holds int, not text"),
+    ):
+        code, out, err = _main(_debug(tmp_path, "--training.dataset", str(data)), capsys)
+        assert code == 2, out + err
+        assert config_error_of(err).startswith("titan: config error: [training] dataset"), err
+        assert said in err and "Traceback" not in err and "| loss" not in out
+    assert 'set bad_rows = "skip"' in err
+
+
+def config_error_of(stderr: str) -> str:
+    start = stderr.find("titan: config error: ")
+    assert start >= 0, f"no titan: config error line in:\n{stderr}"
+    return stderr[start:]
 
 
 def test_data_without_a_text_field_names_the_key_that_sets_it_and_the_key_works(tmp_path, capsys):
@@ -304,8 +332,8 @@ def test_data_without_a_text_field_names_the_key_that_sets_it_and_the_key_works(
         "".join(f'{{"id": {i}, "body": "document {i} of a few words"}}\n' for i in range(300))
     )
     code, out, err = _main(_debug(tmp_path, "--training.dataset", str(path)), capsys)
-    assert code == 1, out + err
-    assert error_of(err).endswith(
+    assert code == 2, out + err
+    assert config_error_of(err).endswith(
         "has no field 'text'; fields found: 'id', 'body'\n"
         "       set [training] dataset_text_field to the field that holds the text\n"
     ), err

@@ -223,6 +223,35 @@ def test_each_torchtitan_style_toml_passes_the_dry_run_checks_or_is_refused_by_n
             assert outcomes[name] is not None and expected in outcomes[name], (name, outcomes[name])
 
 
+def test_each_torchtitan_toml_dry_runs_as_given_at_a_world_size_that_is_said(monkeypatch):
+    # Every file sets data_parallel_shard_degree = -1, which leaves the world size open: the
+    # dry run takes one node of 8 (torchtitan's launcher's NGPU), rounded up to a multiple of
+    # the other degrees, and says so, instead of stopping after seconds of imports.
+    from titan_trainer.dry_run import resolve_world_size  # noqa: PLC0415
+
+    monkeypatch.delenv("NGPU", raising=False)
+    checked = 0
+    for path in sorted(FOLDER.glob("*.toml")):
+        if OUTCOMES[path.stem] is not None and "unknown section" in OUTCOMES[path.stem]:
+            continue
+        config = load_config(JobConfig, ["--job.config_file", str(path)])
+        assert config.parallelism.data_parallel_shard_degree == -1, path.stem
+        size, note = resolve_world_size(config)
+        p = config.parallelism
+        fixed = (
+            p.data_parallel_replicate_degree
+            * p.context_parallel_degree
+            * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree
+        )
+        assert size >= 8 and size % fixed == 0 and size - fixed < 8, (path.stem, size, fixed)
+        assert note.startswith(f"world size {size}: data_parallel_shard_degree = -1 takes")
+        assert "--dry_run.world_size N (or NGPU=N) simulates another" in note
+        config.parallelism.build_parallel_dims(size)  # a layout the degrees accept
+        checked += 1
+    assert checked == 17
+
+
 def test_torchtitan_older_names_are_read_with_a_one_line_notice(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="titan"):
         config = load_config(JobConfig, ["--job.config_file", str(FOLDER / "llama3_405b.toml")])
@@ -239,3 +268,26 @@ def test_torchtitan_older_names_are_read_with_a_one_line_notice(tmp_path, caplog
     # The command line's list form too.
     config = load_config(JobConfig, ["--model.converters", "float8"])
     assert config.model.converters == ["quantize.linear.float8"]
+
+
+@pytest.mark.slow  # a minute and a half of simulation on a 2-core CPU: `nox -s slow`
+def test_the_docs_state_the_deepseek_v3_16b_verdict_the_dry_run_gives(tmp_path, monkeypatch):
+    # The docs' table (docs/torchtitan_configs.md) said it did not fit, from a simulation
+    # before compiled code was simulated as inductor runs it; the dry run as given today says.
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("NGPU", raising=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_trainer", "--job.config_file",
+         str(FOLDER / "deepseek_v3_16b.toml"), "--dry-run", "--job.dump_folder", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    peak = re.search(
+        r"verdict: fits, ([\d.]+) GiB free on the fullest rank \(peak ([\d.]+)", done.stdout
+    )
+    assert peak, done.stdout
+    doc = (FOLDER.parents[1] / "docs" / "torchtitan_configs.md").read_text()
+    (row,) = [x for x in doc.splitlines() if "deepseek_v3/train_configs/deepseek_v3_16b.toml" in x]
+    assert f"fits: peak {peak[2]} GiB" in row and f"{peak[1]} GiB free" in row, (row, peak[0])

@@ -10,11 +10,12 @@ import re
 import corrupt
 import pytest
 import torch
-from ckpt_toy import assert_same, build_run, full_model, train
+from ckpt_toy import ToyData, assert_same, build_run, full_model, train
 from conftest import ckpt_manager as _manager
 
 from titan_ckpt import CheckpointLoadError, checkpoint_problems
 from titan_ckpt.cli import main as titan_ckpt
+from titan_core import StateMismatchError
 
 
 def _step4_data(folder):
@@ -144,3 +145,30 @@ def test_a_checkpoint_without_checksums_holding_nan_is_not_resumed(folder, caplo
         assert _manager(run, folder).load() == 2
     assert "step-4 is not usable: it holds NaN or inf in model.embed.weight" in caplog.text
     assert torch.isfinite(run.model.embed.weight).all()
+
+
+class _SeededData(ToyData):
+    """ToyData that, like a real loader, refuses a position counted in another seed's order."""
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise StateMismatchError(
+                f"saved with seed {state['seed']} (this loader: {self.seed}): resume with it"
+            )
+        super().load_state_dict(state)
+
+
+def test_a_state_saved_under_other_settings_stops_the_load_without_calling_checkpoints_broken(
+    folder, caplog
+):
+    run = build_run(seed=9)
+    run.data = _SeededData(seed=5)  # the checkpoints' loader had seed 7
+    with caplog.at_level(logging.INFO, logger="titan"), pytest.raises(CheckpointLoadError) as info:
+        _manager(run, folder).load()
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {folder / 'step-4'} does not fit this run: saved with")
+    assert "seed 7 (this loader: 5): resume with it" in message
+    assert "nothing is wrong with the checkpoints" in message and "move" not in message
+    # step-2 was saved the same way: it is not tried, and nothing is called unusable.
+    assert "not usable" not in caplog.text and "step-2" not in caplog.text
+    assert sorted(p.name for p in folder.glob("step-*")) == ["step-2", "step-4"]

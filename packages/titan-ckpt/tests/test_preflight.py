@@ -69,14 +69,71 @@ def test_check_space_counts_the_checkpoints_kept_at_once_against_the_free_space(
     assert problems == [] and "5 to save" in note
     assert re.search(r"needs up to [\d.,]+ [KMGT]iB more .* [\d.,]+ [KMGT]iB free there", note)
     # Checkpoints already there take their space now and free it when pruned: resuming from
-    # step 4 with two of them, one more at a time is what the run needs on top.
+    # step 4 with two of them, the run keeps step 4 (the one it resumed from), the newest two
+    # and the one being written at its last save: two more than there are now.
     manager = CheckpointManager(config, {"model": ToyModel(dropout=0.0)}, tmp_path / "checkpoint")
     manager.save(2, force=True)
     manager.save(4, force=True)
     manager.close()
-    problems, note = check_space(config, str(tmp_path), free // 2, steps=10)
+    problems, note = check_space(config, str(tmp_path), free // 3, steps=10)
     assert problems == [] and "3 to save" in note, (problems, note)
+    assert "plus step-4, which this run resumes from and keeps" in note
     # Every checkpoint kept: all of them.
     config.keep_latest_k = 0
     problems, _ = check_space(config, str(tmp_path), free // 2, steps=10)
     assert "this run saves 3 (keep_latest_k = 0 keeps every one)" in problems[0]
+
+
+def test_check_space_counts_the_checkpoint_a_run_resumes_from_which_it_never_prunes(tmp_path):
+    # The issue's run: resumed from step 2 with keep_latest_k = 1, it saves steps 4 and 6;
+    # step 2 stays (a point to resume from again), so step 6 is written beside 2 and 4.
+    from ckpt_toy import build_run, train  # noqa: PLC0415
+
+    from titan_ckpt import check_space  # noqa: PLC0415
+    from titan_ckpt.layout import checkpoint_bytes  # noqa: PLC0415
+    from titan_ckpt.preflight import size_text  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder="checkpoint", interval=2, keep_latest_k=1)
+    run = build_run()
+    manager = CheckpointManager(config, run.states(), tmp_path / "checkpoint")
+    train(run, 2, manager)
+    manager.close()
+    size = checkpoint_bytes(tmp_path / "checkpoint" / "step-2")
+    _, note = check_space(config, str(tmp_path), 1, steps=6)
+    assert note.startswith(
+        f"checkpoint: about {size_text(size)} each, 2 to save; {tmp_path / 'checkpoint'} needs"
+        f" up to {size_text(2 * size)} more (keep_latest_k = 1 keeps 1, plus the one being"
+        " written, plus step-2, which this run resumes from and keeps)"
+    ), note
+    # And so it goes: the resumed run ends with three checkpoints on disk at its last save.
+    resumed = build_run()
+    manager = CheckpointManager(config, resumed.states(), tmp_path / "checkpoint")
+    assert manager.load() == 2
+    resumed.state.step = 2
+    train(resumed, 4, manager)
+    manager.close()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").glob("step-*")) == ["step-2", "step-6"]
+
+
+def test_check_space_counts_each_checkpoint_as_large_as_the_newest_one_there(tmp_path):
+    # The shapes' count leaves out DCP's metadata and framing and the small states; the
+    # newest checkpoint there is what the next save writes, and what a failed save reports.
+    import shutil  # noqa: PLC0415
+
+    from titan_ckpt import check_space  # noqa: PLC0415
+    from titan_ckpt.layout import checkpoint_bytes  # noqa: PLC0415
+    from titan_ckpt.preflight import size_text  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder="checkpoint", interval=2, keep_latest_k=1)
+    model = ToyModel(dropout=0.0)
+    manager = CheckpointManager(config, {"model": model}, tmp_path / "checkpoint")
+    manager.save(2, force=True)
+    manager.close()
+    real = checkpoint_bytes(tmp_path / "checkpoint" / "step-2")
+    counted = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert real > counted
+    _, note = check_space(config, str(tmp_path), counted, steps=6)
+    assert note.startswith(f"checkpoint: about {size_text(real)} each, 2 to save;"), note
+    free = shutil.disk_usage(tmp_path).free
+    problems, _ = check_space(config, str(tmp_path), free + 1, steps=6)
+    assert "(model and optimizer state)" in problems[0]  # the count is larger: it is used

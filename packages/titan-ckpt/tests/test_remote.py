@@ -194,6 +194,27 @@ def test_url_folder_and_space_check(s3):
     assert storage.join("/outputs", "s3://titan/ck") == "s3://titan/ck"
 
 
+def test_a_store_that_cannot_be_reached_is_one_message_with_its_reason_and_fixes(s3, monkeypatch):
+    from titan_ckpt.preflight import storage_problems  # noqa: PLC0415
+
+    config = Checkpoint(enable=True, folder="s3://titan/unreached")
+    assert storage_problems(config, "/outputs") == []  # the server answers: nothing to say
+    # No server on that port (port 9, discard, is closed here); the probe gives up fast.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    (problem,) = storage_problems(config, "/outputs")
+    lines = problem.splitlines()
+    assert lines[0].startswith(
+        "the [checkpoint] folder s3://titan/unreached cannot be reached: Could not connect to"
+        ' the endpoint URL: "http://127.0.0.1:9/titan?'
+    ), problem
+    assert lines[1] == (
+        "check the endpoint (AWS_ENDPOINT_URL = http://127.0.0.1:9), the credentials"
+        " (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the network to it;"
+        " or use a local folder"
+    )
+    assert len(lines) == 2
+
+
 def test_storage_not_installed_names_what_to_install(monkeypatch):
     import importlib  # noqa: PLC0415
 

@@ -40,11 +40,13 @@ def test_a_hub_dataset_out_of_reach_is_named_with_the_cause_and_the_fixes():
     error = next(i for i, line in enumerate(message) if line.startswith("titan_data.errors"))
     assert message[error].startswith(
         "titan_data.errors.DataError: dataset c4 (allenai/c4 (en) split train from Hugging Face"
-        " hub, streaming) cannot be read: this machine cannot reach the Hugging Face hub"
-    )
+        " hub, streaming) cannot be read: this machine cannot reach the Hugging Face hub at"
+        " http://127.0.0.1:9 (HF_ENDPOINT)"
+    )  # the hub this environment names, not huggingface.co
     fixes = "\n".join(message[error + 1 :])
     assert "titan-data tokenize --dataset c4" in fixes
-    assert "dataset_path at a local copy of allenai/c4" in fixes and "HF_HUB_OFFLINE=1" in fixes
+    assert "dataset_path at a local copy of allenai/c4" in fixes
+    assert "with the dataset in the Hugging Face cache, set HF_HUB_OFFLINE=1" in fixes
 
 
 def test_offline_a_dataset_missing_from_the_cache_is_named(tmp_path):
@@ -53,6 +55,12 @@ def test_offline_a_dataset_missing_from_the_cache_is_named(tmp_path):
     assert (
         "dataset c4_validation (allenai/c4 (en) split validation from Hugging Face hub,"
         " streaming) cannot be read: it is not in the Hugging Face cache (HF_HUB_OFFLINE=1)"
+    ) in done.stderr
+    # HF_HUB_OFFLINE=1 is set already: the fix is to fill the cache, not to set it.
+    assert "set HF_HUB_OFFLINE=1" not in done.stderr
+    assert (
+        "or read it once where the hub can be reached, to put it in the Hugging Face cache"
+        " (HF_HUB_OFFLINE=1 here reads only that cache)"
     ) in done.stderr
 
 
@@ -73,10 +81,29 @@ def test_c4_test_is_torchtitans_folder_relative_to_the_working_directory(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError) as e:
         load_source("c4_test")
-    assert "dataset c4_test is torchtitan's sample of C4 in its repository" in str(e.value)
-    assert f"tests/assets/c4_test (from {tmp_path}) does not exist" in str(e.value)
+    assert str(e.value) == (
+        "dataset c4_test (torchtitan's sample of C4, kept in its repository) is read from"
+        f" tests/assets/c4_test in a torchtitan checkout, and {tmp_path} has no such folder\n"
+        "run from a torchtitan checkout, set dataset_path to that folder, or train on pydocs"
+        " (embedded) or c4 (the hub)"
+    )
     (tmp_path / "tests/assets/c4_test").mkdir(parents=True)
     (tmp_path / "tests/assets/c4_test/data.json").write_bytes(Path(jsonl_file).read_bytes())
     source = load_source("c4_test")
     assert source.description == "1 jsonl file (tests/assets/c4_test)"
     assert load_source("c4_test", jsonl_file).files == (jsonl_file,)  # dataset_path wins
+
+
+def test_a_misspelled_dataset_name_gets_a_did_you_mean():
+    from titan_data import load_source
+
+    for typed, meant in (
+        ("pydoc", "pydocs"),
+        ("c4_tset", "c4_test"),
+        ("c4-validation", "c4_validation"),
+    ):
+        with pytest.raises(ValueError) as e:
+            load_source(typed)
+        lines = str(e.value).splitlines()
+        assert lines[:2] == [f"unknown dataset {typed!r}", f"did you mean {meant}?"], lines
+        assert lines[2].startswith("known names: pydocs, ")

@@ -19,13 +19,15 @@ ERROR = 1
 """A problem with the run's data, folders, numbers or peers; one `titan: error:` message."""
 CONFIG_ERROR = 2
 STOPPED_BY_SIGINT = 130
-"""Ctrl-C: stopped at once; the newest complete checkpoint is the one to resume from."""
+"""Ctrl-C: stopped at the end of the step; the log says what a rerun resumes from (the newest
+checkpoint, or none)."""
 STOPPED_BY_SIGTERM = 143
 """SIGTERM (a scheduler's preemption or time-limit notice): stopped after saving a full
 checkpoint of the current step (when checkpoints are on)."""
 
 MORE_HELP = """
 Also:
+  titan-train --version              this package's version, the other Titan packages', torch's
   titan-train --list-configs         the configs shipped with titan-trainer and where they are;
                                      --job.config_file takes their names (debug_model, llama3_8b)
   titan-train --config-path NAME     the TOML file --job.config_file NAME reads
@@ -48,16 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     answered = answer_without_torch(args)
     if answered is not None:
         return answered
-
-    from titan_core import (
-        ConfigError,
-        available,
-        init_logging,
-        load_config,
-        plugins,
-        render_help,
-        world_size_from_env,
-    )
+    # The command line and the TOML are read and checked before torch is imported (seconds):
+    # a misspelled key, a wrong type or an impossible value is said at once. The config
+    # sections load without torch (titan_core.lazy).
+    from titan_core.config import ConfigError, load_config, render_help
+    from titan_core.log import init_logging
     from titan_trainer.config import JobConfig
 
     if "-h" in args or "--help" in args:
@@ -68,15 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     check_only = "--check" in args
     args = [a for a in args if a != "--check"]
     if "--list-plugins" in args:
-        for group in plugins.GROUPS:
-            found = available(group)
-            print(
-                f"{group}: " + (", ".join(f"{k} ({v})" for k, v in sorted(found.items())) or "none")
-            )
-        return 0
+        return list_plugins()
     init_logging()
-    from titan_trainer.preflight import preflight
-
     try:
         config = load_config(JobConfig, args, find_config_file=find_config_file)
     except ConfigError as e:
@@ -88,7 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         # Run as the command (arguments from sys.argv), this process has only loaded the
         # config; a caller passing its own arguments may have run anything before.
         return main_dry_run(config, own_process=argv is None)
+    return check_and_train(config, check_only)
+
+
+def check_and_train(config, check_only: bool) -> int:
+    """The checks a run makes before it starts (`preflight`: the config for this world size,
+    the tokenizer, the datasets, the checkpoints), then the run unless `check_only`."""
+    from titan_core import ConfigError, get_logger, world_size_from_env
     from titan_trainer.logs import choose_console_ranks
+    from titan_trainer.preflight import preflight
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
     checked = preflight(
@@ -97,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     if checked.problems:
         print(ConfigError(checked.problems), file=sys.stderr)
         return 2
-    from titan_core import get_logger
-
     said = os.environ.get(DATA_CHECKED) == "1" and not check_only  # by the launch script
     for note in checked.notes:
         get_logger("checks").log(logging.DEBUG if said else logging.INFO, note)
@@ -107,9 +103,24 @@ def main(argv: list[str] | None = None) -> int:
     return run_training(config, checked.layout)
 
 
+def list_plugins() -> int:
+    """`--list-plugins`: what each entry-point group holds, by name and where it points."""
+    from titan_core import available, plugins
+
+    for group in plugins.GROUPS:
+        found = available(group)
+        print(f"{group}: " + (", ".join(f"{k} ({v})" for k, v in sorted(found.items())) or "none"))
+    return 0
+
+
 def answer_without_torch(args: list[str]) -> int | None:
-    """`--list-configs` and `--config-path NAME`, answered without importing torch (seconds):
-    launch scripts call them. The exit status, or None for anything else."""
+    """`--version`, `--list-configs` and `--config-path NAME`, answered without importing
+    torch (seconds): launch scripts call them. The exit status, or None for anything else."""
+    if "--version" in args:
+        from titan_core.versions import version_text
+
+        print(version_text("titan-train", "titan-llm-trainer"))
+        return 0
     if "--list-configs" in args:
         print(describe_shipped())
         return 0

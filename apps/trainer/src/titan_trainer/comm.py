@@ -49,15 +49,19 @@ def dump_trace(config, dump_folder: str, rank: int) -> str | None:
     return dump_flight_recorder(trace_folder(dump_folder), rank)
 
 
-def start_training_timeout(comm, step: int) -> None:
-    """After the first step: collectives of every group time out after train_timeout_seconds."""
+def start_training_timeout(comm, step: int, world_size: int) -> None:
+    """After the first step: collectives of every group time out after train_timeout_seconds
+    (said when there are other processes to wait for)."""
     groups = set_collective_timeout(comm.train_timeout_seconds)
-    log.info(
-        "step %d done: collectives now time out after %d s ([comm] train_timeout_seconds, %d groups)",
-        step,
-        comm.train_timeout_seconds,
-        groups,
-    )
+    if world_size > 1:
+        log.info(
+            "step %d done: collectives now time out after %d s ([comm] train_timeout_seconds,"
+            " %d process group%s)",
+            step,
+            comm.train_timeout_seconds,
+            groups,
+            "" if groups == 1 else "s",
+        )
 
 
 def torchrun_restarts() -> tuple[int, int]:

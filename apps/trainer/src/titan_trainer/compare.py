@@ -22,13 +22,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from titan_trainer.plots import (
-    Series,
-    matplotlib_missing,
-    read_event_folders,
-    runs_under,
-    write_comparison_plot,
-)
+from titan_trainer.compare_plot import write_comparison_plot
+from titan_trainer.plots import Series, matplotlib_missing, read_event_folders, runs_under
 from titan_trainer.tools import run_tool, tool_parser
 
 
@@ -131,7 +126,9 @@ def compare(args: argparse.Namespace) -> int:
         if why_not:
             print(f"titan-compare: no plot: {why_not}", file=sys.stderr)
         else:
-            print(f"plot: {write_comparison_plot(runs, metrics, args.plot, reference)}")
+            drawn = write_comparison_plot(runs, metrics, args.plot, reference)
+            skipped = f" ({', '.join(drawn.left_out)}: 0 throughout, not drawn)"
+            print(f"plot: {args.plot}{skipped if drawn.left_out else ''}")
     if args.tolerance is None:
         return 0
     checked = args.metric or ["loss"]

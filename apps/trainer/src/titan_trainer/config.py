@@ -448,7 +448,9 @@ class Validation:
 class DryRun:
     world_size: int | None = None
     """Ranks to simulate with `--dry-run`; none takes the product of the parallelism degrees,
-    else the NGPU environment variable."""
+    else the NGPU environment variable, else (data_parallel_shard_degree = -1, as in
+    torchtitan's TOML files) one node of 8, rounded up to a multiple of the other degrees,
+    which the dry run says."""
     device: str = "H100"
     """The GPU the job will run on, for its memory (H100, H200, A100, A100-40GB, B200, MI300X, ...)."""
     device_memory_gib: float | None = None

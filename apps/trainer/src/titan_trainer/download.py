@@ -74,17 +74,20 @@ def fetch(repo_id: str, patterns: list[str], token: str | None, revision: str | 
         raise DownloadError(f"{repo_id} has no revision {revision!r}") from None
     except LocalEntryNotFoundError as e:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        endpoint = os.environ.get("HF_ENDPOINT", "").strip()
+        hub = f"the Hub at {endpoint} (HF_ENDPOINT)" if endpoint else "the Hub"
         why = (
             "HF_HUB_OFFLINE is set, so only the cache is read"
             if offline
-            else "the Hub cannot be reached (no network, or a proxy or firewall in the way)"
+            else f"{hub} cannot be reached (no network, or a proxy or firewall in the way)"
         )
         cause = e.__cause__ or e.__context__
+        where = "unset HF_HUB_OFFLINE and run this" if offline else "run this"
         raise DownloadError(
             f"{why}, and the cache ({_cache_dir()}) holds no copy of {repo_id}"
             + (f" ({type(cause).__name__})" if cause is not None and not offline else "")
-            + "\nrun this where the Hub can be reached (unset HF_HUB_OFFLINE), or point "
-            "HF_HUB_CACHE at a cache that holds the repo"
+            + f"\n{where} where {hub} can be reached, or point HF_HUB_CACHE at a cache that"
+            " holds the repo"
         ) from None
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -58,17 +59,44 @@ class Source:
 
 
 def find_checkpoint(path: Path) -> Path | None:
-    """A complete DCP checkpoint: `path` itself, the newest in it, or the newest in its
-    checkpoint/ (a dump folder); None when there is none."""
-    from titan_ckpt import list_checkpoints
+    """A complete DCP checkpoint whose files pass their checks (every byte against its
+    checksum, as `titan-ckpt verify`): `path` itself, or the newest usable one in it or in its
+    checkpoint/ (a dump folder), each damaged newer one said on stderr and passed over; None
+    when there is none. GenerateError when the one named, or every one, is damaged."""
+    from titan_ckpt import checkpoint_problems, list_checkpoints
 
     if (path / ".metadata").is_file():
+        problems = checkpoint_problems(path)
+        if problems:
+            raise GenerateError(
+                f"{path} is damaged: {'; '.join(problems)}\nname another checkpoint (`titan-ckpt"
+                f" list {path.parent}`), or the run's folder for its newest usable one"
+            )
         return path
     for folder in (path, path / "checkpoint"):
         found = list_checkpoints(folder) if folder.is_dir() else []
-        if found:
-            return found[-1][1]
+        damaged = []
+        for _, step in reversed(found):
+            problems = checkpoint_problems(step)
+            if not problems:
+                for name, why in damaged:
+                    _say(f"titan-generate: {name} is damaged ({why}); using {step.name}")
+                return step
+            damaged.append((step.name, "; ".join(problems)))
+        if damaged:
+            raise GenerateError(
+                f"every checkpoint in {folder} is damaged:\n  "
+                + "\n  ".join(f"{name}: {why}" for name, why in damaged)
+                + f"\n`titan-ckpt verify {folder}` checks them again; generate from another run,"
+                " or from a Hugging Face export"
+            )
     return None
+
+
+def _say(text: str) -> None:
+    """A note on stderr, from the first rank only under torchrun."""
+    if os.environ.get("RANK", "0") == "0":
+        print(text, file=sys.stderr)
 
 
 def dcp_source(step: Path, tokenizer: str | None) -> Source:

@@ -140,8 +140,31 @@ def _peaks(lrs: list[float]) -> str:
     return ", ".join(f"{lr:g}" for lr in dict.fromkeys(lrs))
 
 
+def warmup_warning(cfg, total_steps: int, peak_lr: float) -> str | None:
+    """What a warm-up as long as the run, or longer, does to it (torchtitan's rule: the
+    warm-up is cut to the run), or None for a warm-up shorter than the run."""
+    asked = cfg.warmup_steps
+    if asked < total_steps or total_steps < 1:
+        return None
+    warmup, _, _ = schedule_phases(total_steps, asked, cfg.decay_ratio)
+    top = warmup / (warmup + 1)
+    what = (
+        f"is longer than the run ([training] steps = {total_steps}): the warm-up is cut to the"
+        f" run's {warmup} steps, so"
+        if asked > total_steps
+        else f"covers the whole run ([training] steps = {total_steps}):"
+    )
+    return (
+        f"[lr_scheduler] warmup_steps = {asked} {what} the learning rate only rises, to"
+        f" {warmup}/{warmup + 1} of the peak ({peak_lr * top:.2g} of [optimizer] lr ="
+        f" {peak_lr:g}) at the last step, and never decays; set warmup_steps below"
+        " training.steps (a tenth to a fifth of them) for a warm-up, a plateau and a decay"
+    )
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LRSchedule:
     """The schedule over `optimizer` following `cfg` ([lr_scheduler]) for `total_steps` steps.
+    A warm-up as long as the run, or longer (cut to the run), is warned about once.
 
     An optimizer that schedules its learning rate itself (a `SelfSchedulingOptimizer` whose
     `owns_lr_schedule` is set, as Ranger21 with its warm-up or warm-down on) gets a constant
@@ -153,4 +176,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) 
             type(optimizer).__name__,
         )
         cfg = dataclasses.replace(cfg, warmup_steps=0, decay_ratio=0.0)
+    warning = warmup_warning(cfg, total_steps, optimizer.param_groups[0]["lr"])
+    if warning is not None and _first_rank():
+        log.warning(warning)
     return LRSchedule(optimizer, cfg, total_steps)
+
+
+def _first_rank() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -18,15 +18,12 @@ resume whose checkpoint was saved with other groups (`resume_group_problems`).
 from __future__ import annotations
 
 import re
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from titan_core.init import canonical_name
+if TYPE_CHECKING:  # imported where used: [[optimizer.param_groups]] is read and checked with
+    import torch  # the rest of the config, before torch's seconds of import
+    from torch import nn
 
 DEFAULT = "default"
 """The label of the parameters no [[optimizer.param_groups]] matches."""
@@ -94,6 +91,8 @@ def optimizer_group_problems(cfg) -> list[str]:
 
 def model_names(parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(name as the model gives it, parameter) for each trainable parameter of `parts`."""
+    from titan_core.init import canonical_name  # imports torch
+
     return [
         (canonical_name(name), p)
         for part in parts
@@ -154,6 +153,8 @@ def build_param_groups(parts: list[nn.Module], cfg) -> list[dict[str, Any]]:
 
 def _grouped(parts: list[nn.Module], cfg) -> list[tuple[int | None, bool, list[torch.Tensor]]]:
     """(entry index or None, orthogonalised by Muon, parameters) per torch group, in order."""
+    from torch import nn
+
     import titan_parallel
 
     embedding = {
@@ -201,50 +202,20 @@ def group_preflight_problems(config, model: nn.Module) -> list[str]:
     return problems + resume_group_problems(config, model)
 
 
-def resumed_checkpoint(config):
-    """The folder of the checkpoint whose optimizer state this run would load, or None."""
-    from titan_ckpt import layout
-    from titan_ckpt.preflight import checkpoint_folder
-
-    ckpt = config.checkpoint
-    if not ckpt.enable and not ckpt.initial_load_path:
-        return None
-    full = []
-    for step, path in layout.committed(checkpoint_folder(ckpt, config.job.dump_folder)):
-        try:
-            if not layout.read_commit(path).get("model_only"):
-                full.append((step, path))
-        except (OSError, ValueError):
-            continue  # unreadable: the load reports it
-    if ckpt.load_step != -1:
-        full = [(s, p) for s, p in full if s == ckpt.load_step]
-    if full:
-        return full[-1][1]
-    if ckpt.initial_load_path and not (ckpt.initial_load_model_only or ckpt.initial_load_in_hf):
-        return Path(ckpt.initial_load_path)
-    return None
-
-
 def resume_group_problems(config, model: nn.Module) -> list[str]:
     """Whether the optimizer state of the checkpoint this run resumes from loads into this
     run's groups: the same optimizer; under Muon, the same parameters orthogonalised; and no
     group holding parameters that were in different groups there (their saved values could
     not be told apart). Changed values of the same groups are fine: the config's win."""
-    from titan_core import ConfigError, load_config
-    from titan_trainer.config import JobConfig
+    from titan_trainer.resume_check import resumed_checkpoint, saved_config
 
     path = resumed_checkpoint(config)
-    if path is None or not (path / "config.toml").is_file():
+    if path is None:
         return []
-    try:
-        with tempfile.TemporaryDirectory(prefix="titan-config-") as tmp:
-            # A copy on this disk: the checkpoint may be at a URL (s3://...), which the config
-            # loader does not read.
-            local = Path(tmp) / "config.toml"
-            local.write_text((path / "config.toml").read_text())
-            saved = load_config(JobConfig, [], toml_path=local).optimizer
-    except (ConfigError, OSError):
-        return []  # written by another version: the load itself reports what does not fit
+    saved_run = saved_config(path)
+    if saved_run is None:
+        return []
+    saved = saved_run.optimizer
     now = config.optimizer
     fix = (
         f"resume with the [optimizer] it was saved with (see {path / 'config.toml'}), or start a"

@@ -16,7 +16,7 @@ import importlib.util
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 Series = dict[str, dict[int, float]]
 """metric name -> step -> value"""
@@ -148,34 +148,3 @@ def write_run_plots(series: Series, out_folder: str, title: str = "") -> list[st
         figure.savefig(path)
         written.append(path)
     return written
-
-
-def write_comparison_plot(
-    runs: Mapping[str, Series], metrics: Sequence[str], path: str, reference: str
-) -> str:
-    """One panel per metric with a curve per run, and under each the difference of every
-    other run from `reference`. Needs matplotlib."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 3.2 * len(metrics)), dpi=100, layout="constrained")
-    grid = figure.subplots(len(metrics) * 2, 1, squeeze=False, height_ratios=[3, 1] * len(metrics))
-    for i, metric in enumerate(metrics):
-        values, diffs = grid[2 * i][0], grid[2 * i + 1][0]
-        values.set_title(metric)
-        base = runs[reference].get(metric, {})
-        for name, series in runs.items():
-            curve = series.get(metric, {})
-            steps = sorted(curve)
-            values.plot(steps, [curve[s] for s in steps], marker=".", label=name)
-            if name != reference:
-                shared = sorted(set(curve) & set(base))
-                diffs.plot(shared, [curve[s] - base[s] for s in shared], marker=".", label=name)
-        values.legend(fontsize="small")
-        values.grid(alpha=0.3)
-        diffs.set_ylabel(f"- {reference}", fontsize="small")
-        diffs.axhline(0.0, color="grey", linewidth=0.5)
-        diffs.grid(alpha=0.3)
-        diffs.set_xlabel("step")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    figure.savefig(path)
-    return path

@@ -8,8 +8,9 @@ handed to the run (`titan_trainer.train.train`)."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from titan_ckpt.preflight import storage_problems
 from titan_core import ConfigError, plugins, resolve
 from titan_core.device import resolve_device_type
 from titan_trainer.checks import check_config, mtp_problems, optimizer_state_copies
@@ -18,7 +19,8 @@ from titan_trainer.data import dataset_problems, tokenizer_problems
 from titan_trainer.fault_tolerance import fault_tolerance_problems
 from titan_trainer.layout import Layout
 from titan_trainer.logs import rank_problems
-from titan_trainer.param_groups import group_preflight_problems, resumed_checkpoint
+from titan_trainer.param_groups import group_preflight_problems
+from titan_trainer.resume_check import resume_problems, resumed_checkpoint
 
 
 @dataclass
@@ -30,6 +32,9 @@ class Preflight:
     vocab_size: int
     layout: Layout | None
     """None when the config itself has problems."""
+    here: list[str] = field(default_factory=list)
+    """A dry run's problems of this machine that a launch from here would stop for (the
+    checkpoints' disk), which do not stop the simulation; in `problems` for a real run."""
 
 
 def preflight(
@@ -67,15 +72,19 @@ def preflight(
     if mtp:  # the checks below build the model
         return Preflight(problems + mtp, notes, vocab_size, layout)
     problems += _pipeline_problems(config, layout, notes)
+    store = storage_problems(config.checkpoint, config.job.dump_folder)
+    if store:  # the checks below read the checkpoints there
+        return Preflight(problems + store, notes, vocab_size, layout)
     problems += _param_group_problems(config, layout)
+    problems += resume_problems(config, layout, shapes=not dry_run)
     problems += _attention_problems(config, layout)
     problems += _context_parallel_problems(config, layout)
     if not dry_run:
         problems += fault_tolerance_problems(config)
     space = _checkpoint_space_problems(config, layout, notes)
-    if not dry_run:  # a dry run plans for the cluster's disks, not this machine's
-        problems += space
-    return Preflight(problems, notes, vocab_size, layout)
+    if dry_run:  # the simulation goes on; the verdict says a launch from here would stop
+        return Preflight(problems, notes, vocab_size, layout, here=space)
+    return Preflight(problems + space, notes, vocab_size, layout)
 
 
 def preflight_problems(

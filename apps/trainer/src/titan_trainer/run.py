@@ -3,6 +3,7 @@ as the checkpoint keeps it (`TrainState`) and what it returns (`TrainResult`).""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -49,20 +50,28 @@ class TrainState:
         self.run_id = str(state.get("run_id", self.run_id))
 
 
-def shared_run_id() -> str:
+def shared_run_id(label: str = "") -> str:
     """A new run id, rank 0's on every rank (any rank's copy may be the one a checkpoint keeps)."""
     import torch.distributed as dist
 
-    run_id = [new_run_id()]
+    run_id = [new_run_id(label)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(run_id, src=0)
     return run_id[0]
 
 
-def new_run_id() -> str:
-    """`20251123-103511-4f2a`: when the run started, and 16 random bits for runs started in
-    the same second."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+def new_run_id(label: str = "") -> str:
+    """`20251123-103511-llama3-debugmodel-AdamW-4f2a`: when the run started, what it trains
+    (`run_label`), and 16 random bits for runs started in the same second. TensorBoard shows
+    the runs of a dump folder by these names."""
+    return "-".join(x for x in (time.strftime("%Y%m%d-%H%M%S"), label, secrets.token_hex(2)) if x)
+
+
+def run_label(config) -> str:
+    """`llama3-debugmodel-AdamW`: the model, its flavor and the optimizer, in characters a
+    folder name takes anywhere."""
+    parts = (config.model.name, config.model.flavor, config.optimizer.name)
+    return "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", p).strip("_.") for p in parts)
 
 
 @dataclass

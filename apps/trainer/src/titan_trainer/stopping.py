@@ -116,6 +116,34 @@ def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
         run.checkpointer.save(run.state.step, last_step=last, force=preempted and not last)
 
 
+def after_interrupt(ckpt, step: int, start_step: int) -> str:
+    """What Ctrl-C after `step` leaves to resume from, for a run that started at `start_step`
+    with `ckpt` ([checkpoint]): the newest checkpoint it saved (every `interval` steps; one
+    in flight is committed as the run closes), else the one it resumed from, else nothing,
+    and then its steps are lost."""
+    if not ckpt.enable:
+        return (
+            f"Ctrl-C: stopped at step {step} without a checkpoint (checkpoint.enable is false):"
+            f" a rerun starts again at step 0"
+        )
+    saved = step - step % ckpt.interval
+    if saved > start_step:
+        return (
+            f"Ctrl-C: stopped at step {step}; a rerun resumes from the checkpoint of step {saved}"
+        )
+    if start_step > 0:
+        return (
+            f"Ctrl-C: stopped at step {step}, before this run's first checkpoint (due at step"
+            f" {saved + ckpt.interval}): a rerun resumes from step {start_step}, where this"
+            " run started"
+        )
+    return (
+        f"Ctrl-C: stopped at step {step}, before the first checkpoint (due at step"
+        f" {ckpt.interval}, [checkpoint] interval): there is none to resume from, and a rerun"
+        " starts again at step 0"
+    )
+
+
 def write_seed_checkpoint(run: Run) -> TrainResult:
     run.checkpointer.save(0, last_step=True)
     run.checkpointer.close()

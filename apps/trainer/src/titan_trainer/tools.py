@@ -14,10 +14,15 @@ from collections.abc import Callable
 
 
 def tool_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
-    """The parser of command `prog`, its `--help` opening with `description` as written."""
-    return argparse.ArgumentParser(
+    """The parser of command `prog`, its `--help` opening with `description` as written, with
+    `--version`."""
+    from titan_core.versions import add_version_flag
+
+    parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version_flag(parser, prog, "titan-llm-trainer")
+    return parser
 
 
 def error_text(prog: str, error: BaseException | str) -> str:

@@ -55,11 +55,12 @@ from titan_trainer.parallel import build_parallel_runtime
 from titan_trainer.precision import compute_dtype
 from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
 from titan_trainer.restarts import note_torchrun_restart
-from titan_trainer.run import Run, TrainResult, TrainState, shared_run_id
+from titan_trainer.run import Run, TrainResult, TrainState, run_label, shared_run_id
 from titan_trainer.step import accumulation_steps, train_step
 from titan_trainer.stopping import (
     StopAgreement,
     StopRequest,
+    after_interrupt,
     close_run,
     save_if_due,
     write_seed_checkpoint,
@@ -131,7 +132,7 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
         parts, config.optimizer, total_steps=config.training.steps, dims=dims
     )
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
-    state = TrainState(run_id=shared_run_id())
+    state = TrainState(run_id=shared_run_id(run_label(config)))
     coordinator = build_step_coordinator(config, info, parts, optimizer, lr_scheduler, state)
     states = {
         "model": parts,
@@ -187,15 +188,44 @@ def set_up_layout(
     dtype = compute_dtype(
         config.training.mixed_precision_param, info.device, params=config.training.dtype
     )
+    processes = f"{info.world_size} process{'' if info.world_size == 1 else 'es'}"
     log.info(
-        "%s | %d processes on %s | %s | compute %s",
-        config.job.description,
-        info.world_size,
+        "%s | %s on %s | %s | compute %s",
+        run_title(config),
+        processes,
         info.device.type,
         layout_text(dims),
         dtype,
     )
     return dims, dtype, seed
+
+
+def run_title(config: JobConfig) -> str:
+    """What the run trains on what: `[job] description`, then the model and the dataset in
+    force. The description is the TOML's words about the TOML's data: when the command line
+    trains on other data, it is left out rather than shown wrong."""
+    t = config.training
+    facts = f"{config.model.name} {config.model.flavor} on {t.dataset}"
+    written = _toml_dataset(config.job.config_file, default=type(t)().dataset)
+    if not config.job.description or (written is not None and written != t.dataset):
+        return facts
+    return f"{config.job.description} | {facts}"
+
+
+def _toml_dataset(config_file: str | None, default: str) -> str | None:
+    """The `[training] dataset` the job's TOML trains on (`default` when it names none), or
+    None without a TOML."""
+    import tomllib
+
+    from titan_trainer.shipped import find_config_file
+
+    if not config_file:
+        return None
+    try:
+        data = tomllib.loads(find_config_file(config_file).read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("training", {}).get("dataset", default)
 
 
 def write_resolved_config(config: JobConfig, rank: int) -> str:
@@ -326,10 +356,7 @@ def run_steps(run: Run) -> TrainResult:
                 if state.step % config.training.gc_freq == 0:
                     gc.collect(1)
     except KeyboardInterrupt:
-        log.warning(
-            "Ctrl-C: stopped at step %d; the last complete checkpoint stays the one to resume from",
-            state.step,
-        )
+        log.warning(after_interrupt(config.checkpoint, state.step, start_step))
         stopped_by = "SIGINT"
     except BaseException:
         failed = True
@@ -349,7 +376,7 @@ def after_step(run: Run, window: MetricWindow, *, first: bool) -> None:
     window.lr = current_lr(run.optimizer)  # the lr this step ran at
     run.lr_scheduler.step()
     if first:  # compiled and warmed up: the tight timeout
-        start_training_timeout(run.config.comm, run.state.step)
+        start_training_timeout(run.config.comm, run.state.step, run.info.world_size)
     for converter in run.converters:
         for part in run.parts:
             converter.post_optimizer_hook(part)

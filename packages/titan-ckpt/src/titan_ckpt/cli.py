@@ -40,12 +40,14 @@ from titan_ckpt.dcp_io import (
     value_problems,
 )
 from titan_ckpt.hf import DTYPES
+from titan_ckpt.hf_check import check_safetensors_folder
 from titan_ckpt.integrity import LEGACY_ALGORITHM
 from titan_ckpt.safe_read import UnsafeCheckpointError
 from titan_ckpt.storage import StorageUnavailableError, as_path, is_store_error
 from titan_core.messages import first_line
 from titan_core.plugins import DATA, MODELS, PluginError, resolve
 from titan_core.protocols import HFAdapter, ModelSpec, build_hf_adapter
+from titan_core.versions import add_version_flag
 
 
 class CliError(Exception):
@@ -296,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_version_flag(parser, "titan-ckpt", "titan-llm-ckpt")
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="list the complete checkpoints in a folder")
     ls.add_argument("folder")
@@ -399,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     started = False
     try:
+        if getattr(args, "kind", None) == "hf-to-dcp":  # before any rank starts a group
+            check_safetensors_folder(args.hf_folder)
         started = _process_group(args)
         code = args.func(args)
     except (
@@ -408,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         UnsafeCheckpointError,
         StorageUnavailableError,
     ) as e:
-        print(f"titan-ckpt: error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # one message under torchrun, not one a rank
+            print(f"titan-ckpt: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         if not is_store_error(e):

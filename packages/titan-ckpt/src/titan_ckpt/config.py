@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 
 @dataclass
 class Checkpoint:
@@ -68,7 +66,7 @@ class Checkpoint:
             problems.append(
                 f"[checkpoint] keep_latest_k = {self.keep_latest_k} is not valid\nuse 0 to keep all, or a positive count"
             )
-        if self.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+        if self.async_mode == "async_with_pinned_mem" and not _cuda_available():
             problems.append(
                 '[checkpoint] async_mode = "async_with_pinned_mem" needs CUDA, and no GPU is visible\n'
                 'use "async" on CPU'
@@ -97,6 +95,14 @@ class Checkpoint:
                 "[checkpoint] initial_load_in_hf = true holds model weights only\nset initial_load_model_only = true"
             )
         return problems
+
+
+def _cuda_available() -> bool:
+    # Imported here: the config is read and checked before torch's seconds of import, and only
+    # this setting asks about the device.
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
 
 
 def _storage_problem(key: str, value: str | None) -> str | None:

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ckpt.integrity import CorruptDataError
 from titan_ckpt.safe_read import UnsafeCheckpointError, weights_only_reason
-from titan_core.protocols import CheckpointError
+from titan_core.protocols import CheckpointError, StateMismatchError
 
 
 class CheckpointSaveError(CheckpointError):
@@ -62,6 +62,20 @@ def corrupt_data(error: BaseException) -> str | None:
         while cause is not None and id(cause) not in seen:
             seen.add(id(cause))
             if isinstance(cause, CorruptDataError):
+                return str(cause)
+            cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def state_mismatch(error: BaseException) -> str | None:
+    """What a state refused to load because it was saved under other settings
+    (StateMismatchError on any rank), or None."""
+    for failure in _failures(error):
+        seen = set()
+        cause: BaseException | None = failure
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, StateMismatchError):
                 return str(cause)
             cause = cause.__cause__ or cause.__context__
     return None

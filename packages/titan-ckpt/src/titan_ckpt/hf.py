@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from titan_ckpt.hf_files import DTYPES, INDEX_FILE, SINGLE_FILE, safetensors_files
+from titan_ckpt.hf_check import INDEX_FILE, SINGLE_FILE, check_safetensors_folder, weight_files
+from titan_ckpt.hf_files import DTYPES
 from titan_core.protocols import HFAdapter
 
 __all__ = ["DTYPES", "INDEX_FILE", "SINGLE_FILE", "export_hf", "import_hf", "read_safetensors"]
@@ -71,7 +72,8 @@ def export_hf(
 def read_safetensors(in_dir: str | Path, *, progress: bool = True) -> dict[str, torch.Tensor]:
     """All tensors of an HF folder (single file or index + shards), with their HF names."""
     folder = Path(in_dir)
-    files = safetensors_files(folder)
+    check_safetensors_folder(folder)  # a damaged file named, not a library error
+    files = weight_files(folder)
     out: dict[str, torch.Tensor] = {}
     for name in tqdm(files, desc="read safetensors", unit="file", disable=not progress):
         with safe_open(str(folder / name), framework="pt", device="cpu") as f:

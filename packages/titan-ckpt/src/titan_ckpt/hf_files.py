@@ -28,10 +28,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from titan_ckpt.hf_check import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    check_safetensors_folder,
+    weight_files,
+)
 from titan_core.protocols import Box, HFSlice
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The export dtypes, by the names configs use."""
 
@@ -53,21 +57,6 @@ DTYPE_NAMES = {
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
-def safetensors_files(folder: str | Path) -> list[str]:
-    """The weight files of an HF folder: those its index names, or its one `model.safetensors`,
-    or every `*.safetensors` in it."""
-    folder = Path(folder)
-    if (folder / INDEX_FILE).is_file():
-        index = json.loads((folder / INDEX_FILE).read_text())
-        return sorted(set(index["weight_map"].values()))
-    if (folder / SINGLE_FILE).is_file():
-        return [SINGLE_FILE]
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} holds no .safetensors files (nor {INDEX_FILE})")
-    return files
-
-
 @dataclass(frozen=True)
 class StoredTensor:
     file: str
@@ -81,7 +70,8 @@ class SafetensorsFolder:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         self.tensors: dict[str, StoredTensor] = {}
-        for file in safetensors_files(self.folder):
+        check_safetensors_folder(self.folder)  # a damaged file named, not a library error
+        for file in weight_files(self.folder):
             with safe_open(str(self.folder / file), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     stored = f.get_slice(name)

@@ -217,6 +217,16 @@ def prune(
     return removed
 
 
+def checkpoint_bytes(path: str | Path) -> int | None:
+    """The bytes a committed checkpoint takes, from the sizes its marker records (data files
+    and `.metadata`), or None for a marker without them (another version's)."""
+    try:
+        files = read_commit(path).get("files") or {}
+        return sum(int(entry["bytes"]) for entry in files.values()) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def remove_leftovers(folder: str | Path, skip: set[Path] = frozenset()) -> list[Path]:
     """Delete the remains of interrupted saves, except those in `skip` (a save in flight)."""
     folder = as_path(folder)

@@ -42,10 +42,12 @@ from titan_ckpt.errors import (
     failure_reason,
     first_line,
     os_error,
+    state_mismatch,
 )
 from titan_ckpt.hf import DTYPES, export_hf
 from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
 from titan_ckpt.integrity import checksumming_writer, nonfinite_entries
+from titan_ckpt.preflight import size_text
 from titan_ckpt.safe_read import safe_reader
 from titan_ckpt.staging import build_stager
 from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, TextState
@@ -340,6 +342,8 @@ class CheckpointManager:
         except OSError as e:  # the marker did not fit (a full disk): the save did not happen
             self._fail(e, step, tmp)
         in_flight = {self._pending.tmp} if self._pending is not None else set()
+        # The checkpoint this run resumed from stays (it may be an older one asked for by
+        # load_step, a point to branch from again); the free-space check counts it.
         protect = {self._loaded_path} if self._loaded_path is not None else set()
         for path in layout.prune(self.folder, self.config.keep_latest_k, protect, newest=step):
             log.info(
@@ -554,6 +558,12 @@ class CheckpointManager:
         try:
             self._read(request, path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - falls back to an older one
+            mismatch = state_mismatch(e)
+            if mismatch is not None:  # older checkpoints of this run were saved the same way
+                raise CheckpointLoadError(
+                    f"checkpoint {path} does not fit this run: {mismatch}\nnothing is wrong"
+                    f" with the checkpoints in {self.folder}: they were left in place"
+                ) from e
             touched.update(name for name in request if name in ("model", "optimizer"))
             corrupt = corrupt_data(e)
             if corrupt is not None:  # found by the checksums while reading
@@ -742,9 +752,5 @@ def _states_of(path: Path) -> list[str]:
 
 def _size_of(path: Path) -> str:
     """A checkpoint's size from its marker, in MiB or GiB ("an unknown size" without sums)."""
-    try:
-        files = layout.read_commit(path).get("files") or {}
-        size = sum(int(entry["bytes"]) for entry in files.values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return "an unknown size"
-    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    size = layout.checkpoint_bytes(path)
+    return "an unknown size" if size is None else size_text(size)

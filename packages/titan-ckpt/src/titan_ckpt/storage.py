@@ -227,6 +227,52 @@ class RemotePath:
         self._fresh()
 
 
+def reach_problem(url: str, *, purpose: str) -> str | None:
+    """Why the store holding `url` cannot be reached (listing the folder fails for another
+    reason than its absence: no server at the endpoint, no credentials, access denied), in
+    one message naming the URL, the store's reason and the fixes; None when it answers."""
+    try:
+        RemotePath(url, fs=_probing_filesystem(url)).iterdir()  # an absent folder: empty
+    except StorageUnavailableError as e:
+        return f"the {purpose} {url}: {e}"
+    except Exception as e:  # noqa: BLE001 - any failure of the store is the finding
+        return f"the {purpose} {url} cannot be reached: {first_line(e)}\n{_reach_fix(url)}"
+    return None
+
+
+PROBE_S3_CONFIG = {"connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2}}
+"""botocore's settings for the reachability probe: a store that does not answer is said in
+seconds, not after botocore's five attempts with back-off (20 s for a closed port; minutes
+for an address that drops packets, with its 60 s connection timeout)."""
+
+
+def _probing_filesystem(url: str) -> Any:
+    """The file system of `url` for one question, with short timeouts where the store's
+    client takes them (S3); otherwise the run's own."""
+    if EXTRAS.get(url.partition("://")[0]) != "s3":
+        return filesystem(url)
+    import fsspec  # noqa: PLC0415 - only URLs need it
+
+    fs, _ = fsspec.core.url_to_fs(url, skip_instance_cache=True, config_kwargs=PROBE_S3_CONFIG)
+    return fs
+
+
+def _reach_fix(url: str) -> str:
+    proto = url.partition("://")[0]
+    if EXTRAS.get(proto) == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        where = (
+            f"the endpoint (AWS_ENDPOINT_URL = {endpoint})"
+            if endpoint
+            else "the endpoint (AWS_ENDPOINT_URL is not set: AWS's own S3 is asked)"
+        )
+        return (
+            f"check {where}, the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or"
+            " AWS_PROFILE) and the network to it; or use a local folder"
+        )
+    return "check the URL, the credentials and the network to the store; or use a local folder"
+
+
 def check_remote_writable(folder: RemotePath, *, purpose: str, hint: str = "") -> None:
     """Write and delete a small object under `folder`, so that a bucket that does not exist,
     missing credentials or a read-only store are reported at start-up, not at the first save.

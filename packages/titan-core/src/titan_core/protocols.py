@@ -469,6 +469,13 @@ class CheckpointError(RuntimeError):
     fix; the trainer prints it as it is, without a traceback."""
 
 
+class StateMismatchError(ValueError):
+    """Raised by a `Stateful`'s `load_state_dict` for a state that is intact but was saved
+    under settings the loading object does not have (a loader's sequence length, say). A
+    checkpointer stops on it, naming the setting, instead of trying the older checkpoints of
+    the same run (saved under the same settings) and calling them all unusable."""
+
+
 @runtime_checkable
 class Checkpointer(Protocol):
     """Saves and restores the training state. Registered under `titan.checkpointers`.

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from titan_core.versions import add_version_flag
 from titan_data.errors import DataError, MissingTextField
 
 
@@ -19,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     # The module docstring's first paragraph, whole: argparse rewraps it.
     about = " ".join(__doc__.split("\n\n")[0].split())
     parser = argparse.ArgumentParser(prog="titan-data", description=about)
+    add_version_flag(parser, "titan-data", "titan-llm-data")
     commands = parser.add_subparsers(dest="command", required=True)
     tok = commands.add_parser(
         "tokenize",

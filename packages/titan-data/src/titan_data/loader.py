@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from titan_core import LoaderBase, Tokenizer, get_logger
+from titan_core import LoaderBase, StateMismatchError, Tokenizer, get_logger
 from titan_data.batches import Plan, Position, check_streams, produce, slot_of
 from titan_data.errors import BAD_ROWS, SKIP_HINT, DataError
 from titan_data.mixture import parse_datasets
@@ -200,7 +200,7 @@ class TitanDataLoader(LoaderBase):
 
     def _check_fits(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(
+            raise StateMismatchError(
                 f"data loader state version {state.get('version')!r} (this loader:"
                 f" {STATE_VERSION}): it was saved by an older titan-data, whose position was"
                 " per data-parallel rank and cannot be placed in the global order; set"
@@ -213,7 +213,7 @@ class TitanDataLoader(LoaderBase):
             if saved.get(key) != value
         ]
         if wrong:
-            raise ValueError(
+            raise StateMismatchError(
                 "data loader state does not fit this loader: it was saved with "
                 + ", ".join(wrong)
                 + "; these fix the order of the samples, so resume with the values it was saved"
@@ -222,7 +222,7 @@ class TitanDataLoader(LoaderBase):
             )
         layout = {"batch_size": self.layout.batch_size, "dp_world_size": self.layout.dp_world_size}
         if state["micro"] and state["layout"] != layout:
-            raise ValueError(
+            raise StateMismatchError(
                 f"data loader state was saved after microbatch {state['micro']} of a step with"
                 f" {state['layout']}; this loader has {layout}: only a state saved between steps"
                 " resumes on another layout"

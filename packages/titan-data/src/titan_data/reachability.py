@@ -69,19 +69,31 @@ def hub_problem(repo: str) -> str | None:
         return f"the Hugging Face hub answered with an error: {first_line(e)}"
     except Exception as e:  # noqa: BLE001 - DNS, refused, timeout: the network, by any client
         return (
-            "this machine cannot reach the Hugging Face hub (no network route:"
+            f"this machine cannot reach the Hugging Face hub{hub_endpoint()} (no network route:"
             f" {type(e).__name__}: {first_line(e)})"
         )
     return None
 
 
+def hub_endpoint() -> str:
+    """` at URL (HF_ENDPOINT)` when the environment names another hub than huggingface.co,
+    else empty: a message about the hub says which one was asked."""
+    endpoint = os.environ.get("HF_ENDPOINT", "").strip()
+    return f" at {endpoint} (HF_ENDPOINT)" if endpoint else ""
+
+
 def _unreachable(name: str, source: Source, cause: str) -> str:
+    cache = (
+        "or read it once where the hub can be reached, to put it in the Hugging Face cache"
+        " (HF_HUB_OFFLINE=1 here reads only that cache)"
+        if _offline()
+        else "or, with the dataset in the Hugging Face cache, set HF_HUB_OFFLINE=1"
+    )
     return (
         f"dataset {name} ({source.description}) cannot be read: {cause}\n"
         "tokenize it once where the hub can be reached (titan-data tokenize --dataset"
         f" {name} --tokenizer TOKENIZER --out DIR) and train on that folder (dataset = DIR)\n"
-        f"or point dataset_path at a local copy of {source.hub_repo}\n"
-        "or, with the dataset in the Hugging Face cache, set HF_HUB_OFFLINE=1"
+        f"or point dataset_path at a local copy of {source.hub_repo}\n{cache}"
     )
 
 

@@ -26,6 +26,7 @@ so that all of them can be found before training (`scan_bad_rows`).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import glob
 import os
@@ -235,11 +236,16 @@ def _hub_source(name: str, hub: HubDataset, local_copy: str | None) -> Source:
 def _torchtitan_folder(name: str, dataset_path: str | None, text_field: str) -> Source:
     folder = dataset_path or TORCHTITAN_FOLDERS[name]
     if not os.path.exists(os.path.expanduser(folder)):
-        where = "dataset_path" if dataset_path else "torchtitan reads it from"
+        where = (
+            f"read from dataset_path = {folder}, which does not exist"
+            if dataset_path
+            else f"read from {folder} in a torchtitan checkout, and {os.getcwd()} has no such"
+            " folder"
+        )
         raise FileNotFoundError(
-            f"dataset {name} is torchtitan's sample of C4 in its repository; {where} {folder}"
-            f" (from {os.getcwd()}) does not exist. Run from a torchtitan checkout, set"
-            f" dataset_path to that folder, or train on pydocs (embedded) or c4 (the hub)"
+            f"dataset {name} (torchtitan's sample of C4, kept in its repository) is {where}\n"
+            "run from a torchtitan checkout, set dataset_path to that folder, or train on"
+            " pydocs (embedded) or c4 (the hub)"
         )
     return _local_source(name, folder, text_field)
 
@@ -307,7 +313,9 @@ def load_source(
         return _local_source(dataset, dataset, text_field)
     if dataset.count("/") == 1 and all(dataset.split("/")):
         return _hub_source(dataset, HubDataset(dataset, None, "train", text_field), dataset_path)
-    raise ValueError(f"unknown dataset {dataset!r}; {ACCEPTED}")
+    close = difflib.get_close_matches(dataset, [*EMBEDDED, *HUB_DATASETS, *TORCHTITAN_FOLDERS], n=1)
+    hint = f"did you mean {close[0]}?\n" if close else ""
+    raise ValueError(f"unknown dataset {dataset!r}\n{hint}{ACCEPTED}")
 
 
 def check_source(source: Source | TokenShards) -> None:

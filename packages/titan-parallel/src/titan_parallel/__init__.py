@@ -7,77 +7,92 @@ layout at full size on fake process groups and fake tensors; and fault-tolerant 
 with TorchFT (the `ft` extra)."""
 
 import importlib.metadata
+from typing import TYPE_CHECKING
 
-from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
-from titan_parallel.chunked_loss import DeferredLinear, chunked_cross_entropy, defer_output
-from titan_parallel.compile import apply_compile, compile_loss
-from titan_parallel.compiled_memory import simulated_backend
-from titan_parallel.config import (
-    ActivationCheckpoint,
-    Compile,
-    MuonOptions,
-    Parallelism,
-    Ranger21Options,
-    check_parallelize_config,
-)
-from titan_parallel.context_parallel import (
-    SUPPORTED_TORCH,
-    check_cp_seq_len,
-    check_cp_support,
-    cp_context,
-    cp_unshard,
-    enable_cpu_ring_attention,
-)
-from titan_parallel.cuda_kernels import cuda_kernels
-from titan_parallel.data_parallel import (
-    apply_ddp,
-    apply_fsdp,
-    autocast_context,
-    resolve_reshard_after_forward,
-)
-from titan_parallel.expert_parallel import apply_ep, expert_parallel_problems, moe_layers
-from titan_parallel.fault_tolerance import (
-    FaultToleranceConfig,
-    ReplicaGroup,
-    SemiSync,
-    start_lighthouse,
-)
-from titan_parallel.grad_clip import clip_grad_norm_, dist_max, dist_mean, dist_sum, total_grad_norm
-from titan_parallel.init import init_weights_exact
-from titan_parallel.memory_estimate import (
-    MemoryBreakdown,
-    StepMemoryTracker,
-    estimate_init_memory,
-    estimate_step_memory,
-    fake_process_group,
-    fake_tensors,
-    resident_bytes,
-)
-from titan_parallel.muon import Muon, build_muon, muon_param_groups, newton_schulz, uses_muon
-from titan_parallel.parallelize import parallelize
-from titan_parallel.pipeline import (
-    SCHEDULES,
-    Pipeline,
-    PipelinePlan,
-    StageIO,
-    broadcast_pipeline_loss,
-    build_pipeline,
-    infer_stage_io,
-    plan_pipeline,
-    pp_total_norm,
-    schedule_name,
-)
-from titan_parallel.pipeline_split import (
-    build_stage_modules,
-    check_ties_within_stages,
-    split_balanced,
-    split_by_layers,
-    validate_split_points,
-)
-from titan_parallel.ranger21 import AdamW, Ranger21, build_ranger21, stochastic_round_to_bf16
-from titan_parallel.sharded_stats import reduce_sums, row_sums_groups, total_sums_groups
-from titan_parallel.tensor_parallel import apply_tp, check_tp_plan, copy_block_inputs, loss_context
-from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
+from titan_core.lazy import attach
+
+# The public API, each name imported from its module on first use (titan_core.lazy): a
+# light module of the package loads without the others, and torch with them.
+if TYPE_CHECKING:
+    from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
+    from titan_parallel.chunked_loss import DeferredLinear, chunked_cross_entropy, defer_output
+    from titan_parallel.compile import apply_compile, compile_loss
+    from titan_parallel.compiled_memory import simulated_backend
+    from titan_parallel.config import (
+        ActivationCheckpoint,
+        Compile,
+        FaultToleranceConfig,
+        MuonOptions,
+        Parallelism,
+        Ranger21Options,
+        check_parallelize_config,
+    )
+    from titan_parallel.context_parallel import (
+        SUPPORTED_TORCH,
+        check_cp_seq_len,
+        check_cp_support,
+        cp_context,
+        cp_unshard,
+        enable_cpu_ring_attention,
+    )
+    from titan_parallel.cuda_kernels import cuda_kernels
+    from titan_parallel.data_parallel import (
+        apply_ddp,
+        apply_fsdp,
+        autocast_context,
+        resolve_reshard_after_forward,
+    )
+    from titan_parallel.expert_parallel import apply_ep, expert_parallel_problems, moe_layers
+    from titan_parallel.fault_tolerance import ReplicaGroup, SemiSync, start_lighthouse
+    from titan_parallel.grad_clip import (
+        clip_grad_norm_,
+        dist_max,
+        dist_mean,
+        dist_sum,
+        total_grad_norm,
+    )
+    from titan_parallel.init import init_weights_exact
+    from titan_parallel.memory_estimate import (
+        MemoryBreakdown,
+        StepMemoryTracker,
+        estimate_init_memory,
+        estimate_step_memory,
+        fake_process_group,
+        fake_tensors,
+        resident_bytes,
+    )
+    from titan_parallel.muon import Muon, build_muon, muon_param_groups, newton_schulz, uses_muon
+    from titan_parallel.parallelize import parallelize
+    from titan_parallel.pipeline import (
+        SCHEDULES,
+        Pipeline,
+        PipelinePlan,
+        StageIO,
+        broadcast_pipeline_loss,
+        build_pipeline,
+        infer_stage_io,
+        plan_pipeline,
+        pp_total_norm,
+        schedule_name,
+    )
+    from titan_parallel.pipeline_split import (
+        build_stage_modules,
+        check_ties_within_stages,
+        split_balanced,
+        split_by_layers,
+        validate_split_points,
+    )
+    from titan_parallel.ranger21 import AdamW, Ranger21, build_ranger21, stochastic_round_to_bf16
+    from titan_parallel.sharded_stats import reduce_sums, row_sums_groups, total_sums_groups
+    from titan_parallel.tensor_parallel import (
+        apply_tp,
+        check_tp_plan,
+        copy_block_inputs,
+        loss_context,
+    )
+    from titan_parallel.tied import keep_ties_on_conversion, tied_parameter_groups
+
+__getattr__, __dir__ = attach(__name__, __file__)
 
 __version__ = importlib.metadata.version(
     "titan-llm-parallel"

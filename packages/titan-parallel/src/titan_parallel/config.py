@@ -1,5 +1,7 @@
 """The config sections titan-parallel owns: [parallelism], [activation_checkpoint], [compile],
-and [optimizer.ranger21] (the switches of `titan_parallel.Ranger21`).
+[optimizer.ranger21] and [optimizer.muon] (the switches of `titan_parallel.Ranger21` and
+`Muon`), and [fault_tolerance] (`titan_parallel.fault_tolerance`'s replica groups). They load
+without torch: a trainer reads and checks its command line before torch's seconds of import.
 
 Names and defaults follow torchtitan, so a torchtitan TOML loads unchanged. Each `validate()`
 checks its own section; `check_parallelize_config` checks combinations across sections and
@@ -10,11 +12,10 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-
-from titan_core.parallel_dims import ParallelDims
+if TYPE_CHECKING:  # imported where used: the sections load, for --help and the config
+    from titan_core.parallel_dims import ParallelDims  # checks, before torch is imported
 
 _DEGREES = (
     "data_parallel_replicate_degree",
@@ -159,6 +160,8 @@ class Parallelism:
     def build_parallel_dims(self, world_size: int) -> ParallelDims:
         """The `ParallelDims` these degrees describe for a job of `world_size` processes
         (raises `ConfigError` when they do not fit)."""
+        from titan_core.parallel_dims import ParallelDims  # noqa: PLC0415 - imports torch
+
         return ParallelDims(
             world_size=world_size,
             dp_replicate=self.data_parallel_replicate_degree,
@@ -222,6 +225,8 @@ class ActivationCheckpoint:
                 " or turn cpu_offload off"
             )
         if self.mode == "memory_budget" and not has_memory_budget():
+            import torch  # noqa: PLC0415 - only this setting asks about torch
+
             problems.append(
                 f'[activation_checkpoint] mode = "memory_budget" needs torch.compile\'s activation'
                 f" memory budget, which torch {torch.__version__} does not have\n"
@@ -460,3 +465,72 @@ class MuonOptions:
                     f"[optimizer.muon] {key} = {getattr(self, key)} is not valid\n{fix}"
                 )
         return problems
+
+
+@dataclass
+class FaultToleranceConfig:
+    """[fault_tolerance]: torchtitan's keys for TorchFT replica groups."""
+
+    enable: bool = False
+    """Average gradients across replica groups through TorchFT, so that a group can die and
+    rejoin while the others keep training. Needs the `ft` extra and a running lighthouse."""
+    replica_id: int = 0
+    """This replica group's index, 0 .. group_size - 1 (the same on every rank of the group)."""
+    group_size: int = 1
+    """Number of replica groups the job is planned for (the data is sharded over them)."""
+    min_replica_size: int = 1
+    """Fewest replica groups a step needs to commit. With group_size, no step is taken with a
+    group missing: the others wait for it to come back."""
+    process_group_timeout_ms: int = 10000
+    """How long a cross-group collective or commit vote may take before the step fails."""
+    quorum_timeout_ms: int = 60000
+    """How long a group waits for a quorum (other groups starting or coming back)."""
+    lighthouse: str = ""
+    """The lighthouse's address (http://host:port); empty reads TORCHFT_LIGHTHOUSE."""
+    semi_sync_method: str = ""
+    """Empty: average gradients every step. `local_sgd`: each group steps alone and the groups
+    average their weights every sync_steps steps (Stich 2019). `diloco`: every sync_steps
+    steps the averaged change of the weights is applied by an outer Nesterov SGD (Douillard et
+    al. 2023)."""
+    sync_steps: int = 5
+    """Steps between two synchronisations with local_sgd or diloco."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
+
+    def validate(self) -> list[str]:
+        """The problems of this section, each naming the key and the fix (empty: none)."""
+        problems = []
+        if self.group_size < 1:
+            problems.append(
+                f"[fault_tolerance] group_size = {self.group_size} is not valid\n"
+                "there must be at least one replica group"
+            )
+        elif not 0 <= self.replica_id < self.group_size:
+            problems.append(
+                f"[fault_tolerance] replica_id = {self.replica_id} is outside 0 .. "
+                f"{self.group_size - 1} (group_size = {self.group_size})\n"
+                "give each replica group its own index"
+            )
+        if self.group_size >= 1 and not 1 <= self.min_replica_size <= self.group_size:
+            problems.append(
+                f"[fault_tolerance] min_replica_size = {self.min_replica_size} is not valid\n"
+                f"use 1 .. group_size ({self.group_size})"
+            )
+        if self.semi_sync_method not in SEMI_SYNC_METHODS:
+            problems.append(
+                f"[fault_tolerance] semi_sync_method = {self.semi_sync_method!r} is not known\n"
+                "use local_sgd, diloco, or leave it empty to average gradients every step"
+            )
+        if self.sync_steps < 1:
+            problems.append(f"[fault_tolerance] sync_steps = {self.sync_steps}: use 1 or more")
+        for key in ("process_group_timeout_ms", "quorum_timeout_ms"):
+            if getattr(self, key) <= 0:
+                problems.append(
+                    f"[fault_tolerance] {key} = {getattr(self, key)}: use a positive time"
+                )
+        return problems
+
+
+SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")

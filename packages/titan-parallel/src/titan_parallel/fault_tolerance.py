@@ -26,7 +26,6 @@ import os
 import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -37,79 +36,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_core import ConfigError, point_gloo_at
+from titan_parallel.config import FaultToleranceConfig
 
 logger = logging.getLogger(__name__)
 
 _INSTALL = "pip install 'titan-llm-parallel[ft]'"
-
-
-@dataclass
-class FaultToleranceConfig:
-    """[fault_tolerance]: torchtitan's keys for TorchFT replica groups."""
-
-    enable: bool = False
-    """Average gradients across replica groups through TorchFT, so that a group can die and
-    rejoin while the others keep training. Needs the `ft` extra and a running lighthouse."""
-    replica_id: int = 0
-    """This replica group's index, 0 .. group_size - 1 (the same on every rank of the group)."""
-    group_size: int = 1
-    """Number of replica groups the job is planned for (the data is sharded over them)."""
-    min_replica_size: int = 1
-    """Fewest replica groups a step needs to commit. With group_size, no step is taken with a
-    group missing: the others wait for it to come back."""
-    process_group_timeout_ms: int = 10000
-    """How long a cross-group collective or commit vote may take before the step fails."""
-    quorum_timeout_ms: int = 60000
-    """How long a group waits for a quorum (other groups starting or coming back)."""
-    lighthouse: str = ""
-    """The lighthouse's address (http://host:port); empty reads TORCHFT_LIGHTHOUSE."""
-    semi_sync_method: str = ""
-    """Empty: average gradients every step. `local_sgd`: each group steps alone and the groups
-    average their weights every sync_steps steps (Stich 2019). `diloco`: every sync_steps
-    steps the averaged change of the weights is applied by an outer Nesterov SGD (Douillard et
-    al. 2023)."""
-    sync_steps: int = 5
-    """Steps between two synchronisations with local_sgd or diloco."""
-    outer_lr: float = 0.7
-    """DiLoCo's outer learning rate (the paper's 0.7)."""
-    outer_momentum: float = 0.9
-    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
-
-    def validate(self) -> list[str]:
-        """The problems of this section, each naming the key and the fix (empty: none)."""
-        problems = []
-        if self.group_size < 1:
-            problems.append(
-                f"[fault_tolerance] group_size = {self.group_size} is not valid\n"
-                "there must be at least one replica group"
-            )
-        elif not 0 <= self.replica_id < self.group_size:
-            problems.append(
-                f"[fault_tolerance] replica_id = {self.replica_id} is outside 0 .. "
-                f"{self.group_size - 1} (group_size = {self.group_size})\n"
-                "give each replica group its own index"
-            )
-        if self.group_size >= 1 and not 1 <= self.min_replica_size <= self.group_size:
-            problems.append(
-                f"[fault_tolerance] min_replica_size = {self.min_replica_size} is not valid\n"
-                f"use 1 .. group_size ({self.group_size})"
-            )
-        if self.semi_sync_method not in SEMI_SYNC_METHODS:
-            problems.append(
-                f"[fault_tolerance] semi_sync_method = {self.semi_sync_method!r} is not known\n"
-                "use local_sgd, diloco, or leave it empty to average gradients every step"
-            )
-        if self.sync_steps < 1:
-            problems.append(f"[fault_tolerance] sync_steps = {self.sync_steps}: use 1 or more")
-        for key in ("process_group_timeout_ms", "quorum_timeout_ms"):
-            if getattr(self, key) <= 0:
-                problems.append(
-                    f"[fault_tolerance] {key} = {getattr(self, key)}: use a positive time"
-                )
-        return problems
-
-
-SEMI_SYNC_METHODS = ("", "local_sgd", "diloco")
 
 
 class Stateful(Protocol):

@@ -89,8 +89,17 @@ def _described(data, section: str, dataset: str, path: str | None, notes: list[s
     try:
         notes.append(f"[{section}] dataset: {describe(dataset, path)}")
     except (ValueError, FileNotFoundError, OSError) as e:
-        return [f"[{section}] dataset = {dataset!r}: {first_line(e)}"]
+        return [_named(section, dataset, e)]
     return []
+
+
+def _named(section: str, dataset: str, error: BaseException) -> str:
+    """The plugin's message about `dataset`, every line of it (the fixes follow the first),
+    under the key that names it."""
+    text = str(error).strip() or type(error).__name__
+    if text.startswith(f"dataset {dataset} "):  # titan-data's messages name it
+        return f"[{section}] {text}"
+    return f"[{section}] dataset = {dataset!r}: {text}"
 
 
 def _opened(data, section: str, dataset: str, path: str | None) -> list[str]:
@@ -105,7 +114,5 @@ def _opened(data, section: str, dataset: str, path: str | None) -> list[str]:
             # A first row without the default text field: reachable, and the loader checks the
             # field with the run's dataset_text_field, naming that key (data/loader.py).
             return []
-        text = str(e).strip() or type(e).__name__
-        named = text.startswith(f"dataset {dataset} ")  # titan-data's messages name it
-        return [f"[{section}] {text}" if named else f"[{section}] dataset = {dataset!r}: {text}"]
+        return [_named(section, dataset, e)]
     return []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from titan_core import NamesItsOption, ParallelDims, dp_coordinates
+from titan_core import ConfigError, NamesItsOption, ParallelDims, dp_coordinates
 from titan_trainer.guards import StartupError
 
 
@@ -48,12 +48,16 @@ def build_loader(config, data, tokenizer, dims: ParallelDims):
         pin_memory=t.dataloader.pin_memory,
         seed=t.seed if t.seed is not None else 0,
     )
-    return build_checked_loader(data, **kwargs)
+    # Built before the first step: a refusal means the run never started, as a config error.
+    return build_checked_loader(data, refusal=ConfigError, **kwargs)
 
 
-def build_checked_loader(data, section: str = "training", **kwargs):
+def build_checked_loader(data, section: str = "training", *, refusal=StartupError, **kwargs):
     """The data plugin's loader; its refusals (no tokens, bad rows, unreadable data) become a
-    StartupError that names the dataset keys of `section` ([training] or [validation])."""
+    `refusal` (StartupError: exit 1, for a loader built once training runs; ConfigError:
+    exit 2, for the training loader, built before the first step, like the data problems the
+    pre-start checks find) that names the dataset keys of `section` ([training] or
+    [validation])."""
     try:
         return data.build_dataloader(**kwargs)
     except (ValueError, FileNotFoundError) as e:
@@ -62,7 +66,7 @@ def build_checked_loader(data, section: str = "training", **kwargs):
         shown = (
             e.for_option(f"[{section}] dataset_text_field") if isinstance(e, NamesItsOption) else e
         )
-        raise StartupError(f"[{section}] dataset {kwargs.get('dataset')!r}: {shown}") from e
+        raise refusal(f"[{section}] dataset {kwargs.get('dataset')!r}: {shown}") from e
 
 
 def skipped_rows_total(loader, dp_mesh, device: torch.device) -> int:

@@ -11,27 +11,58 @@ from __future__ import annotations
 import os
 import sys
 
-from titan_core import ConfigError, device_memory_gib, plugins, resolve
+from titan_core import ConfigError, Progress, device_memory_gib, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.simulate import Simulation, fork_simulations_from_here, simulate
+from titan_trainer.dry_run.simulate import (
+    Simulation,
+    fork_simulations_from_here,
+    rank_roles,
+    simulate,
+)
 from titan_trainer.layout import layout_text
 from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
-from titan_trainer.preflight import preflight_problems
+from titan_trainer.preflight import preflight
 
 EXIT_FITS, EXIT_CONFIG, EXIT_DOES_NOT_FIT = 0, 2, 3
 
 
-def resolve_world_size(config: JobConfig) -> int | None:
-    """`dry_run.world_size`, else the product of the degrees when none is -1, else NGPU."""
+DEFAULT_WORLD_SIZE = 8
+"""The world size of a job whose degrees leave it open (data_parallel_shard_degree = -1) and
+that names none: one node of 8 GPUs, as torchtitan's launcher (NGPU=8) and its TOML files
+assume."""
+
+
+def resolve_world_size(config: JobConfig) -> tuple[int, str | None]:
+    """(the world size to simulate, a note when it was not given): `dry_run.world_size`,
+    else the product of the degrees when none is -1, else NGPU, else the smallest multiple of
+    the fixed degrees from DEFAULT_WORLD_SIZE up."""
     if config.dry_run.world_size is not None:
-        return config.dry_run.world_size
+        return config.dry_run.world_size, None
     world_size = config.parallelism.job_world_size()
     if world_size is not None:
-        return world_size
+        return world_size, None
     if os.environ.get("NGPU", "").isdigit():
-        return int(os.environ["NGPU"])
-    return None
+        return int(os.environ["NGPU"]), None
+    p = config.parallelism
+    fixed = (
+        p.data_parallel_replicate_degree
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+    world_size = -(-DEFAULT_WORLD_SIZE // fixed) * fixed
+    return world_size, (
+        f"world size {world_size}: data_parallel_shard_degree = -1 takes what the job's processes"
+        f" leave, and neither [dry_run] world_size nor NGPU names them, so one node of"
+        f" {DEFAULT_WORLD_SIZE} GPUs is assumed, as torchtitan's launcher does"
+        + (
+            f" (rounded up to a multiple of the other degrees, {fixed})"
+            if world_size != DEFAULT_WORLD_SIZE
+            else ""
+        )
+        + "; --dry_run.world_size N (or NGPU=N) simulates another"
+    )
 
 
 def device_capacity_gib(config: JobConfig) -> tuple[float, str]:
@@ -57,46 +88,32 @@ def fits(sim: Simulation, capacity_gib: float, headroom_gib: float) -> bool:
 
 def dry_run(config: JobConfig, out=print) -> int:
     """Check, simulate and report; the exit status (see the module docstring)."""
-    world_size = resolve_world_size(config)
-    if world_size is None:
-        out(
-            ConfigError(
-                "the dry run needs the job's world size: data_parallel_shard_degree = -1 leaves it open\n"
-                "pass --dry_run.world_size N (or set NGPU)"
-            ).render()
-        )
-        return EXIT_CONFIG
+    world_size, assumed = resolve_world_size(config)
     try:
         capacity, capacity_text = device_capacity_gib(config)
     except ConfigError as e:
         out(e.render())
         return EXIT_CONFIG
-    problems, notes, vocab_size = preflight_problems(config, world_size, dry_run=True)
+    checked = preflight(config, world_size, dry_run=True)
+    problems, notes, vocab_size = checked.problems, checked.notes, checked.vocab_size
     if problems:
         out(ConfigError(problems).render())
         return EXIT_CONFIG
 
     out(_header(config, world_size, capacity_text))
+    if assumed is not None:
+        out(f"note: {assumed}")
     try:
-        sim = simulate(config, world_size, vocab_size)
+        roles = len(rank_roles(config, world_size))
+        sim = simulate(config, world_size, vocab_size, progress=Progress("dry run", roles))
     except ConfigError as e:  # found only once the model meets its layout: said as the others
         out(e.render())
         return EXIT_CONFIG
-    problems += _checkpoint_problems(config, sim, notes)
+    problems += checked.here + _checkpoint_problems(config, sim, notes)
     out(_table(sim))
     headroom = config.dry_run.headroom_gib
     ok = fits(sim, capacity, headroom)
-    worst = sim.worst.peak / GiB
-    if ok:
-        out(
-            f"verdict: fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank"
-            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
-        )
-    else:
-        out(
-            f"verdict: does not fit by {gib_text(worst + headroom - capacity)} GiB"
-            f" (peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB)"
-        )
+    out(_verdict(sim, capacity, headroom, ok, problems))
     for note in [*notes, *memory_mode_notes(config, sim.worst.offloaded)]:
         out(f"note: {note}")
     out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
@@ -111,6 +128,29 @@ def dry_run(config: JobConfig, out=print) -> int:
             suggest_changes(config, sim, capacity, headroom, out)
         return EXIT_DOES_NOT_FIT
     return EXIT_FITS
+
+
+def _verdict(
+    sim: Simulation, capacity: float, headroom: float, ok: bool, problems: list[str]
+) -> str:
+    """One line: whether the job fits in memory, and every other reason a launch of it from
+    here would stop (the problems, whose fixes follow the notes)."""
+    worst = sim.worst.peak / GiB
+    peak = f"peak {worst:.1f} GiB + {headroom:g} GiB headroom of {capacity:g} GiB"
+    if ok:
+        memory = f"fits, {capacity - worst - headroom:.1f} GiB free on the fullest rank ({peak})"
+    else:
+        memory = f"does not fit by {gib_text(worst + headroom - capacity)} GiB ({peak})"
+    if not problems:
+        return f"verdict: {memory}"
+    reasons = "; ".join(first_line(p) for p in problems)
+    if ok:
+        return f"verdict: does not start: memory {memory.replace('fits, ', 'fits, with ', 1)}, but {reasons}"
+    return f"verdict: {memory}; and {reasons}"
+
+
+def first_line(problem: str) -> str:
+    return problem.splitlines()[0]
 
 
 def gib_text(value: float) -> str:

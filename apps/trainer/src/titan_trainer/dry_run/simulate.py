@@ -22,8 +22,10 @@ import gc
 import importlib
 import logging
 import multiprocessing
+import queue
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -121,18 +123,44 @@ def simulate_rank(
     role: str,
     *,
     kernels: Literal["cuda", "cpu"] = "cuda",
+    phases: bool = False,
 ) -> RoleResult:
     """Build, initialise and step rank `rank` of the job on fake tensors; its memory.
     `kernels`: whose kernels' memory the step follows where CUDA's and the CPU's differ (see
     `titan_parallel.cuda_kernels`): the job's GPUs, or the CPU (to compare with a CPU run).
+    With `phases`, each part that finishes is said on stderr (`dry run: ROLE: ...`).
 
     Runs in a fresh process: torch caches decisions about meshes and process groups (DTensor's
     redistribution plans) that would leak from one simulated rank into the next.
     """
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=fresh_processes()) as pool:
-        return pool.submit(
-            _simulate_rank_here, config, world_size, rank, vocab_size, role, kernels
-        ).result()
+    context = fresh_processes()
+    # The simulation's own lines come back to this process, which says them: a process forked
+    # from a server started earlier writes to whatever stderr that server had.
+    lines = context.Queue() if phases else None
+    with concurrent.futures.ProcessPoolExecutor(
+        1, mp_context=context, initializer=_send_phases_to, initargs=(lines,)
+    ) as pool:
+        future = pool.submit(
+            _simulate_rank_here, config, world_size, rank, vocab_size, role, kernels, phases
+        )
+        finished = False
+        while lines is not None:
+            try:  # once the result is in, a last line may still be on its way: wait a little
+                print(lines.get(timeout=1.0 if finished else 0.2), file=sys.stderr, flush=True)
+            except queue.Empty:
+                if finished:
+                    break
+                finished = future.done()
+        return future.result()
+
+
+_phase_lines = None
+"""Where a simulation's process sends the lines that say its parts (a queue to the parent)."""
+
+
+def _send_phases_to(lines) -> None:
+    global _phase_lines
+    _phase_lines = lines
 
 
 def fresh_processes() -> multiprocessing.context.BaseContext:
@@ -183,15 +211,39 @@ _PRELOAD = [
 
 
 def _simulate_rank_here(
-    config: JobConfig, world_size: int, rank: int, vocab_size: int, role: str, kernels: str
+    config: JobConfig,
+    world_size: int,
+    rank: int,
+    vocab_size: int,
+    role: str,
+    kernels: str,
+    phases: bool,
 ) -> RoleResult:
-    from titan_core import init_logging
+    from titan_core import Progress, init_logging
 
     init_logging(rank=0)
-    # Dynamo's advice on compiling this model (the real run prints it too) is not the dry run's.
-    torch._logging.set_logs(dynamo=logging.ERROR)
+    quiet_simulation()
+    progress = Progress(f"dry run: {role}", 1, out=_phase_lines.put) if phases else None
     with fake_process_group(world_size, rank):
-        return measure_rank(config, world_size, vocab_size, role, fake=True, kernels=kernels)
+        return measure_rank(
+            config,
+            world_size,
+            vocab_size,
+            role,
+            fake=True,
+            kernels=kernels,
+            phase=None if progress is None else progress.mark,
+        )
+
+
+def quiet_simulation() -> None:
+    """What a simulation says is the dry run's table and verdict: its building and stepping
+    log only errors. The real run prints the rest where it matters (Float8's line per layer it
+    keeps in high precision, Dynamo's advice on compiling the model, torch's notices of its
+    own deprecated internals such as `is_opaque_value`), which here only broke up the table."""
+    logging.getLogger("titan").setLevel(logging.WARNING)
+    torch._logging.set_logs(all=logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"torch(\.|$)")
 
 
 def measure_rank(
@@ -204,6 +256,7 @@ def measure_rank(
     kernels: Literal["cuda", "cpu"] = "cpu",
     after_build: Callable[[ParallelRuntime, list], None] | None = None,
     real_compile: bool = False,
+    phase: Callable[[str], None] | None = None,
 ) -> RoleResult:
     """This rank's memory for one training step of `config`, in a process group that exists
     (fake or real): the trainer's own build, initialisation, optimizer and step, measured by
@@ -214,7 +267,9 @@ def measure_rank(
     `after_build(runtime, parts)` may change the parts before they get memory (bench/
     throughput.py's FSDP over one device, say). With `real_compile` (real tensors only) the
     config's compile backend compiles for real, a first step compiles untracked, and only the
-    resident set measures inductor's buffers (the tracker does not see them all)."""
+    resident set measures inductor's buffers (the tracker does not see them all). `phase` is
+    told of each part as it finishes (built, initialised, step measured)."""
+    phase = phase or (lambda _: None)
     if kernels == "cuda" and not fake:
         raise ValueError("CUDA kernels are emulated on fake tensors only")
     if real_compile and fake:
@@ -241,6 +296,7 @@ def measure_rank(
     parts = build_model(config, runtime, vocab_size, converters, stage_io)
     if after_build is not None:
         after_build(runtime, parts)
+    phase("model built and parallelised")
     with fake_tensors() if fake else contextlib.nullcontext():
         runtime.materialize(parts)
         init_peak = estimate_init_memory(parts, lambda: runtime.init_weights(parts))
@@ -248,6 +304,7 @@ def measure_rank(
             parts, config.optimizer, total_steps=config.training.steps, dims=dims
         )
         _create_optimizer_state(parts, optimizer)
+        phase("weights initialised, optimizer state made")
         step = _step_fn(config, runtime, parts, optimizer, vocab_size)
         if real_compile:
             step()  # compiles: the compiler's own memory is not the step's
@@ -256,6 +313,7 @@ def measure_rank(
         with rss or contextlib.nullcontext(), _kernels(kernels):
             breakdown = estimate_step_memory(parts, optimizer, step, warmup_steps=0)
             offloaded = offloaded_bytes() if kernels == "cuda" else 0
+        phase("training step measured")
         shapes = _state_shapes(parts)
     return RoleResult(
         role,
@@ -357,10 +415,19 @@ def _state_shapes(parts) -> dict[str, tuple[int, ...]]:
 # ----------------------------------------------------------------------------- the whole job
 
 
-def simulate(config: JobConfig, world_size: int, vocab_size: int) -> Simulation:
+def simulate(config: JobConfig, world_size: int, vocab_size: int, *, progress=None) -> Simulation:
+    """Every rank role of the job, each simulated in a process of its own. With `progress`
+    (a `titan_core.Progress`), each role's start, the parts of it as they finish, and each
+    role's end with an estimate of the time left are said (a 405B role takes minutes)."""
     start = time.perf_counter()
-    roles = [
-        simulate_rank(config, world_size, rank, vocab_size, role)
-        for role, rank in rank_roles(config, world_size)
-    ]
+    roles = []
+    for role, rank in rank_roles(config, world_size):
+        if progress is not None:
+            progress.say(f"simulating {role} (rank {rank} of {world_size}) on fake tensors")
+        result = simulate_rank(
+            config, world_size, rank, vocab_size, role, phases=progress is not None
+        )
+        roles.append(result)
+        if progress is not None:
+            progress.done(f"{role} simulated: step peak {result.peak / GiB:.2f} GiB")
     return Simulation(config, world_size, vocab_size, roles, time.perf_counter() - start)

@@ -12,7 +12,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titan_core import PluginError, plugins, resolve
+from titan_core import PluginError, Progress, plugins, resolve
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
 from titan_trainer.preflight import preflight_problems
@@ -122,24 +122,38 @@ def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: f
     worst = sim.worst
     pp_index = _pp_index(config, sim.world_size, worst.rank)
     best = None
-    for change in CHANGES:
-        result = change.apply(config, sim.world_size)
-        if result is None:
-            continue
-        changed, world = result
+    applicable = [(change, change.apply(config, sim.world_size)) for change in CHANGES]
+    applicable = [(change, result) for change, result in applicable if result is not None]
+    progress = Progress("dry run: changes", len(applicable))
+    for change, (changed, world) in applicable:
         problems, _, _ = preflight_problems(changed, world, dry_run=True)
         if problems:
             out(f"  - {change.label}: not possible here ({problems[0].splitlines()[0]})")
             continue
         rank = pp_index * (world // changed.parallelism.build_parallel_dims(world).pp)
+        progress.say(f"simulating {change.label} on {worst.role}")
         role = simulate_rank(changed, world, rank, sim.vocab_size, worst.role)
+        progress.done(change.label)
         peak = role.peak / GiB
         free = capacity_gib - peak - headroom_gib
         verdict = f"fits, {free:.1f} GiB free" if free >= 0 else f"short by {gib_text(-free)} GiB"
+        if role.peak >= worst.peak * 0.999:  # simulated with the change, which saved nothing
+            verdict += f"; no lower than now: {_no_saving(change, config)}"
         out(f"  - {change.label}: peak {peak:.1f} GiB, {verdict}")
         if free >= 0 and best is None:
             best = change.label
     out(f"cheapest change that fits: {best}" if best else "no single change fits; combine them")
+
+
+def _no_saving(change: Change, config: JobConfig) -> str:
+    """Why a change that was simulated leaves the peak where it was."""
+    ac = config.activation_checkpoint
+    if change.apply is _float8 and ac.mode == "selective" and ac.selective_ac_option == "op":
+        return (
+            "Float8 runs the matmuls in 8 bits, but what the step keeps for backward stays in"
+            " the compute dtype (selective op checkpointing keeps the matmuls' outputs)"
+        )
+    return "this change does not lower what the fullest rank holds at its peak"
 
 
 def _pp_index(config: JobConfig, world: int, rank: int) -> int:
