@@ -226,7 +226,7 @@ def reference(model_name: str, block_causal: bool = False, documents: bool | Non
 
 def _runtime(cfg, world: int):
     from titan_core import ParallelDims
-    from titan_trainer.parallel import ParallelRuntime
+    from titan_trainer.runtime import ParallelRuntime
     from titan_trainer.train import cross_entropy_loss
 
     dims = cfg.parallelism.build_parallel_dims(world)

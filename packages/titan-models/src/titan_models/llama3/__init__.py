@@ -1,11 +1,12 @@
 """Llama 3.1 / 3.2 for Titan."""
 
-from titan_core.protocols import ModelSpec
+from titan_core.protocols import ModelFeatures, ModelSpec
 from titan_models.attention import check_block_causal
 from titan_models.llama3.args import LlamaArgs, llama3_flavors
 from titan_models.llama3.flops import llama_flops_per_token, llama_param_count
 from titan_models.llama3.hf_adapter import LlamaHFAdapter
 from titan_models.llama3.model import Transformer, block_init_plan
+from titan_models.options import configure_args
 
 llama3_spec = ModelSpec(
     name="llama3",
@@ -13,6 +14,8 @@ llama3_spec = ModelSpec(
     build=Transformer,
     hf_adapter=LlamaHFAdapter,
     block_causal_check=check_block_causal,
+    features=ModelFeatures(document_ids=True, block_causal_impl=True, sdpa_backend=True),
+    configure=configure_args,
 )
 
 __all__ = [
