@@ -71,9 +71,9 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` skips its update on the device when its `found_inf` is non-zero:
-    torch's fused Adam and AdamW do (as torch's GradScaler uses them); any other is checked on
-    the host."""
-    fused = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    torch's fused Adam, AdamW, SGD and Adagrad do (those torch's GradScaler hands `found_inf`);
+    any other is checked on the host."""
+    fused = isinstance(optimizer, torch.optim.Adam | torch.optim.SGD | torch.optim.Adagrad)
     return fused and bool(optimizer.defaults.get("fused"))
 
 
