@@ -61,28 +61,19 @@ def find_model(config: JobConfig) -> tuple[ModelSpec | None, list[str]]:
 def _plugin_problems(config: JobConfig, world_size: int) -> list[str]:
     """Every other plugin the config names is installed (optimizer, converters, data,
     checkpointer, metric sinks), and a seed checkpoint is made by one process."""
-    problems: list[str] = []
-    problem = optimizer_problem(config.optimizer.name)
-    if problem:
-        problems.append(problem)
-    for name in config.model.converters:
-        problem = _plugin_problem(plugins.CONVERTERS, "[model] converters", name)
-        if problem:
-            problems.append(problem)
-    problem = _plugin_problem(plugins.DATA, "[training] data_plugin", config.training.data_plugin)
-    if problem:
-        problems.append(problem)
-    for name in config.metrics.sinks:
-        problem = _plugin_problem(plugins.METRIC_SINKS, "[metrics] sinks", name)
-        if problem:
-            problems.append(problem)
-    ckpt, plan = config.checkpoint, CheckpointPlan.of(config.checkpoint)
+    plan = CheckpointPlan.of(config.checkpoint)
+    named = [
+        *((plugins.CONVERTERS, "[model] converters", name) for name in config.model.converters),
+        (plugins.DATA, "[training] data_plugin", config.training.data_plugin),
+        *((plugins.METRIC_SINKS, "[metrics] sinks", name) for name in config.metrics.sinks),
+    ]
     if plan.needs_checkpointer:
-        problem = _plugin_problem(
-            plugins.CHECKPOINTERS, "[checkpoint] checkpointer", ckpt.checkpointer
+        named.append(
+            (plugins.CHECKPOINTERS, "[checkpoint] checkpointer", config.checkpoint.checkpointer)
         )
-        if problem:
-            problems.append(problem)
+    found = [optimizer_problem(config.optimizer.name)]
+    found += [_plugin_problem(group, where, name) for group, where, name in named]
+    problems = [problem for problem in found if problem]
     if plan.seed and world_size != 1:
         problems.append(
             f"[checkpoint] create_seed_checkpoint needs exactly 1 process, but the job has {world_size}\n"

@@ -62,6 +62,7 @@ class ModelParallelizer:
         dims: ParallelDims,
         device: torch.device,
         dtype: torch.dtype,
+        *,
         seed: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:

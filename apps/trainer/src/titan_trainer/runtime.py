@@ -30,8 +30,9 @@ class ParallelRuntime:
         seed: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> None:
+        settings = ParallelSettings.of(config)
         self.parallelizer = ModelParallelizer(
-            ParallelSettings.of(config), dims, device, dtype, seed, loss_fn
+            settings, dims, device, dtype, seed=seed, loss_fn=loss_fn
         )
         self.runner = MicrobatchRunner(self.parallelizer)
         self.dims, self.device, self.dtype = dims, device, dtype
