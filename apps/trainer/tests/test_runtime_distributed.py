@@ -233,7 +233,7 @@ def _runtime(cfg, world: int):
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
     assert isinstance(dims, ParallelDims)
-    return ParallelRuntime(cfg, dims, cpu, torch.float32, SEED, cross_entropy_loss)
+    return ParallelRuntime.of(cfg, dims, cpu, torch.float32, SEED, cross_entropy_loss)
 
 
 def train_case(world: int, model_name: str, layout: str, block_causal: bool = False) -> dict:

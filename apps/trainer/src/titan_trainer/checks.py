@@ -365,17 +365,16 @@ def _tensor_parallel_problems(config: JobConfig, layout: Layout | None) -> list[
 
 
 def block_causal_device_problem(
-    config: JobConfig, device: torch.device, spec: ModelSpec | None = None
+    config: JobConfig, device: torch.device, spec: ModelSpec
 ) -> str | None:
     """With block-causal attention: the model family's own check of its attention on this
     device with `[model] block_causal_impl` (`ModelSpec.block_causal_check`: the chosen
     implementation against the dense mask, forward and backward, fp32 and bf16), run
     before training; a message when it fails on any rank, so that no run trains with a mask
         that lets documents see each other. A family without a check is not checked. `spec`: the
-    run's family (found by name when not given)."""
+    run's family (`Layout.spec`)."""
     if config.model.attn_mask_type != "block_causal":
         return None
-    spec = spec or model_spec(config)
     if spec.block_causal_check is None:
         return None
     start = time.perf_counter()

@@ -21,21 +21,28 @@ from titan_trainer.parallel import ModelParallelizer, ParallelSettings
 class ParallelRuntime:
     """`parallelizer` builds the parts, `runner` runs microbatches through them."""
 
-    def __init__(
-        self,
+    def __init__(self, parallelizer: ModelParallelizer) -> None:
+        self.parallelizer = parallelizer
+        self.runner = MicrobatchRunner(parallelizer)
+        self.dims, self.device, self.dtype = (
+            parallelizer.dims,
+            parallelizer.device,
+            parallelizer.dtype,
+        )
+
+    @classmethod
+    def of(
+        cls,
         config,
         dims: ParallelDims,
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> None:
+    ) -> ParallelRuntime:
+        """The runtime for `config`'s parallel settings on this rank's mesh and device."""
         settings = ParallelSettings.of(config)
-        self.parallelizer = ModelParallelizer(
-            settings, dims, device, dtype, seed=seed, loss_fn=loss_fn
-        )
-        self.runner = MicrobatchRunner(self.parallelizer)
-        self.dims, self.device, self.dtype = dims, device, dtype
+        return cls(ModelParallelizer(settings, dims, device, dtype, seed=seed, loss_fn=loss_fn))
 
     # Building (ModelParallelizer).
     def parallelize(self, model: nn.Module, stage_io=None) -> list[nn.Module]:
@@ -96,6 +103,6 @@ def build_parallel_runtime(config, dims, device, dtype, seed, loss_fn) -> Parall
     """The runtime for this layout; the loss is compiled when [compile] lists "loss", and
     takes a multi-token-prediction model's logits of every depth (`titan_trainer.loss`)."""
     compiled = titan_parallel.compile_loss(loss_fn, config.compile)
-    return ParallelRuntime(
+    return ParallelRuntime.of(
         config, dims, device, dtype, seed, with_mtp(compiled, config.training.mtp_loss_weight)
     )

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import titan_parallel
-from titan_core import MemoryMonitor, Progress, init_logging, supports_bf16
+from titan_core import MemoryMonitor, ModelSpec, Progress, init_logging, supports_bf16
 from titan_core.init import canonical_name
 from titan_parallel.activation_offload import offloaded_bytes
 from titan_parallel.compiled_memory import simulated_backend
@@ -50,8 +50,9 @@ from titan_parallel.memory_estimate import (
 )
 from titan_trainer.batch import BatchShape
 from titan_trainer.config import JobConfig
+from titan_trainer.layout import Layout
 from titan_trainer.loss import cross_entropy_loss
-from titan_trainer.model import build_converters, build_meta_model, build_model, model_spec
+from titan_trainer.model import build_converters, build_meta_model, build_model
 from titan_trainer.optimizer import build_optimizer
 from titan_trainer.precision import target_compute_dtype
 from titan_trainer.runtime import ParallelRuntime, build_parallel_runtime
@@ -273,7 +274,8 @@ def measure_rank(
     if real_compile and fake:
         raise ValueError("real compilation needs real tensors")
     config = _simulation_config(config, real_compile=real_compile)
-    dims = config.parallelism.build_parallel_dims(world_size)
+    layout = Layout.resolve(config, world_size)  # the family found by name once, here
+    dims = layout.dims
     dims.build_mesh("cpu")
     dtype = target_compute_dtype(config.training.mixed_precision_param)
     if (
@@ -289,9 +291,11 @@ def measure_rank(
     )
     converters = build_converters(config, dims)
     stage_io = (
-        _probe_stage_io(config, runtime, vocab_size, converters, fake) if dims.pp_enabled else None
+        _probe_stage_io(config, layout.spec, runtime, vocab_size, converters, fake)
+        if dims.pp_enabled
+        else None
     )
-    parts = build_model(config, runtime, vocab_size, converters, stage_io)
+    parts = build_model(config, runtime, vocab_size, converters, stage_io, layout=layout)
     if after_build is not None:
         after_build(runtime, parts)
     phase("model built and parallelised")
@@ -342,11 +346,13 @@ class _RSSGrowth:
         self.growth = int((self.monitor.stats().peak_gib - self.start) * GiB)
 
 
-def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool):
+def _probe_stage_io(
+    config, spec: ModelSpec, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool
+):
     """What pipeline stages pass each other, from a one-block copy of the model (and the
     blocks it runs after its output, multi-token prediction's) with the same
     parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
-    probe = build_meta_model(model_spec(config), config, vocab_size)
+    probe = build_meta_model(spec, config, vocab_size)
     for converter in converters:
         converter.convert(probe)
     for name in list(probe.layers)[1:]:
