@@ -551,18 +551,7 @@ _CAPABILITY = (
 def dryrun_405b(session: nox.Session) -> None:
     """The 405B config's dry run at 512 ranks with every pipeline rank simulated (the default
     suite simulates the first and the last; see the trainer README for times)."""
-    session.run(
-        "uv",
-        "run",
-        "--frozen",
-        "titan-train",
-        "--job.config_file",
-        "apps/trainer/configs/llama3_405b.toml",
-        "--dry-run",
-        "--dry_run.all_ranks",
-        *session.posargs,
-        env={"PYTHONUNBUFFERED": "1", **os.environ},
-    )
+    _titan_dry_run(session, "llama3_405b", "--dry_run.all_ranks")
 
 
 @nox.session(name="dryrun-moe", venv_backend="none")
@@ -572,17 +561,23 @@ def dryrun_moe(session: nox.Session) -> None:
     one to three minutes each on a 2-core CPU). The default suite checks their configs and
     their splits at full size without simulating a step (see the trainer README)."""
     for name in MOE_DRY_RUNS:
-        session.run(
-            "uv",
-            "run",
-            "--frozen",
-            "titan-train",
-            "--job.config_file",
-            f"apps/trainer/configs/{name}.toml",
-            "--dry-run",
-            *session.posargs,
-            env={"PYTHONUNBUFFERED": "1", **os.environ},
-        )
+        _titan_dry_run(session, name)
+
+
+def _titan_dry_run(session: nox.Session, config: str, *flags: str) -> None:
+    """`titan-train --dry-run` of a shipped config, with the session's arguments last."""
+    session.run(
+        "uv",
+        "run",
+        "--frozen",
+        "titan-train",
+        "--job.config_file",
+        f"apps/trainer/configs/{config}.toml",
+        "--dry-run",
+        *flags,
+        *session.posargs,
+        env={"PYTHONUNBUFFERED": "1", **os.environ},
+    )
 
 
 @nox.session(name="dryrun-torchtitan", venv_backend="none")

@@ -1,7 +1,7 @@
 """Model plugins for the trainer's checks: `runtime_models:third_party_spec`, whose forward
 takes only tokens (what a third-party family looks like),
 `runtime_models:forward_with_document_ids_spec`, one that takes `document_ids` but has no
-`block_causal_impl`, and
+`block_causal_impl` to choose (its `ModelFeatures` say so), and
 `runtime_models:leaky_block_causal_spec`, Llama 3 whose block-causal attention check runs the
 FlexAttention path with a mask that ignores the documents (what a broken kernel or block mask
 on a GPU would look like to the trainer)."""
@@ -13,12 +13,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_core import ModelSpec
+from titan_core import ModelFeatures, ModelSpec
 
 
 @dataclass(frozen=True)
 class Args:
+    """What a trainer reads of a flavor (`titan_core.ModelArgs`)."""
+
     vocab_size: int = 256
+    max_seq_len: int = 2048
+    n_mtp_layers: int = 0
+    moe: None = None
 
 
 class ThirdParty(nn.Module):
@@ -42,7 +47,10 @@ class DocumentIds(ThirdParty):
 
 
 forward_with_document_ids_spec = ModelSpec(
-    name="document_ids", flavors={"debugmodel": Args()}, build=DocumentIds
+    name="document_ids",
+    flavors={"debugmodel": Args()},
+    build=DocumentIds,
+    features=ModelFeatures(document_ids=True),
 )
 
 

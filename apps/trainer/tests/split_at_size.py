@@ -19,8 +19,8 @@ from titan_trainer.config import JobConfig
 from titan_trainer.layout import layout_text
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.model import build_converters, build_model
-from titan_trainer.parallel import build_parallel_runtime
 from titan_trainer.preflight import preflight_problems
+from titan_trainer.runtime import build_parallel_runtime
 from titan_trainer.shipped import find_config_file
 
 

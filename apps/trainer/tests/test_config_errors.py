@@ -238,14 +238,16 @@ def test_block_causal_attention_is_refused_on_a_device_where_its_check_fails():
     import torch
 
     from titan_trainer.checks import block_causal_device_problem
+    from titan_trainer.model import model_spec
 
     args = ["--model.attn_mask_type", "block_causal"]
     config = load_config(JobConfig, args)
-    assert block_causal_device_problem(config, torch.device("cpu")) is None  # the real check
+    cpu = torch.device("cpu")
+    assert block_causal_device_problem(config, cpu, model_spec(config)) is None  # the real one
     leaky = load_config(
         JobConfig, [*args, "--model.name", "runtime_models:leaky_block_causal_spec"]
     )
-    problem = block_causal_device_problem(leaky, torch.device("cpu"))
+    problem = block_causal_device_problem(leaky, cpu, model_spec(leaky))
     assert problem.startswith(
         "[model] attn_mask_type = 'block_causal': runtime_models:leaky_block_causal_spec's"
         " block-causal attention (block_causal_impl = 'auto') on cpu: "
@@ -268,11 +270,17 @@ def test_each_block_causal_impl_is_checked_on_the_device_and_flex_refused_on_the
     import torch
 
     from titan_trainer.checks import block_causal_device_problem
+    from titan_trainer.model import model_spec
 
     cpu = torch.device("cpu")
     args = ["--model.attn_mask_type", "block_causal", "--model.block_causal_impl"]
-    assert block_causal_device_problem(load_config(JobConfig, [*args, "varlen"]), cpu) is None
-    problem = block_causal_device_problem(load_config(JobConfig, [*args, "flex"]), cpu)
+
+    def problem_with(impl: str) -> str | None:
+        config = load_config(JobConfig, [*args, impl])
+        return block_causal_device_problem(config, cpu, model_spec(config))
+
+    assert problem_with("varlen") is None
+    problem = problem_with("flex")
     assert "(block_causal_impl = 'flex') on cpu" in problem, problem
     assert "FlexAttention has no backward on cpu" in problem
     assert "use block_causal_impl = 'dense' or 'varlen'" in problem

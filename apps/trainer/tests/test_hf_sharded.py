@@ -168,7 +168,7 @@ def run_layout(layout: str, flavor: str, folder: str, out: str) -> dict:
     from titan_ckpt import load_hf_weights, save_hf_weights
     from titan_models import llama3_spec
     from titan_trainer.config import JobConfig
-    from titan_trainer.parallel import ParallelRuntime
+    from titan_trainer.runtime import ParallelRuntime
     from titan_trainer.train import cross_entropy_loss
 
     cfg = JobConfig()
@@ -179,7 +179,7 @@ def run_layout(layout: str, flavor: str, folder: str, out: str) -> dict:
         setattr(cfg.parallelism, key, value)
     dims = cfg.parallelism.build_parallel_dims(WORLD)
     dims.build_mesh("cpu")
-    runtime = ParallelRuntime(cfg, dims, torch.device("cpu"), torch.float32, 0, cross_entropy_loss)
+    runtime = ParallelRuntime.of(cfg, dims, torch.device("cpu"), torch.float32, 0, cross_entropy_loss)
     args = llama_args(flavor)
     with torch.device("meta"):
         model = llama3_spec.build(args)

@@ -183,7 +183,7 @@ def train_case(world: int, model_name: str, layout: str) -> dict:
     from titan_core import ParallelDims
     from titan_trainer.experts import ExpertLoad
     from titan_trainer.optimizer import build_optimizer
-    from titan_trainer.parallel import build_parallel_runtime
+    from titan_trainer.runtime import build_parallel_runtime
     from titan_trainer.step import pipeline_microbatches as _pipeline_microbatches
     from titan_trainer.train import cross_entropy_loss
 

@@ -191,8 +191,8 @@ def test_the_memory_check_counts_each_optimizers_own_states():
     """The start-up memory check counts what each optimizer keeps per parameter (in float32
     parameter sizes), as the optimizers themselves allocate it."""
     from titan_parallel import AdamW, Ranger21
-    from titan_trainer.checks import optimizer_state_copies
     from titan_trainer.config import Optimizer
+    from titan_trainer.optimizer import optimizer_state_copies
 
     def allocated(opt, p) -> float:
         opt.step()
@@ -222,8 +222,8 @@ def test_the_memory_check_counts_each_optimizers_own_states():
 def test_the_memory_check_asks_a_third_party_optimizer_for_its_state():
     """An optimizer plugin reports the state it keeps per parameter (`state_copies`): the
     memory and disk checks count SGD with momentum's one buffer, not Adam's two."""
-    from titan_trainer.checks import optimizer_state_copies
     from titan_trainer.config import Optimizer
+    from titan_trainer.optimizer import optimizer_state_copies
 
     sgd = Optimizer(name="third_party_optim:build", beta1=0.9)
     p = torch.nn.Parameter(torch.ones(8, 4))

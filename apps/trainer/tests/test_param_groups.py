@@ -16,7 +16,7 @@ from titan_core import ConfigError, load_config, plugins, resolve
 from titan_trainer.config import JobConfig
 from titan_trainer.lr_schedule import build_lr_scheduler
 from titan_trainer.optimizer import build_optimizer
-from titan_trainer.param_groups import group_preflight_problems
+from titan_trainer.preflight import group_preflight_problems
 from titan_trainer.shipped import find_config_file
 from titan_trainer.train import train
 

@@ -21,8 +21,8 @@ import torch
 from titan_ckpt import Checkpoint, checkpoint_problems, load_consolidated
 from titan_ckpt.cli import main as titan_ckpt
 from titan_ckpt.layout import read_commit
+from titan_trainer.checkpointing import after_interrupt
 from titan_trainer.cli import main as titan_train
-from titan_trainer.stopping import after_interrupt
 
 FAST = [
     "--training.mixed_precision_param",

@@ -226,14 +226,14 @@ def reference(model_name: str, block_causal: bool = False, documents: bool | Non
 
 def _runtime(cfg, world: int):
     from titan_core import ParallelDims
-    from titan_trainer.parallel import ParallelRuntime
+    from titan_trainer.runtime import ParallelRuntime
     from titan_trainer.train import cross_entropy_loss
 
     dims = cfg.parallelism.build_parallel_dims(world)
     dims.build_mesh("cpu")
     cpu = torch.device("cpu")
     assert isinstance(dims, ParallelDims)
-    return ParallelRuntime(cfg, dims, cpu, torch.float32, SEED, cross_entropy_loss)
+    return ParallelRuntime.of(cfg, dims, cpu, torch.float32, SEED, cross_entropy_loss)
 
 
 def train_case(world: int, model_name: str, layout: str, block_causal: bool = False) -> dict:

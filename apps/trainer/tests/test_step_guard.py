@@ -16,7 +16,7 @@ from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.metrics import StepTimer
 from titan_trainer.model import build_model
 from titan_trainer.optimizer import build_optimizer
-from titan_trainer.parallel import build_parallel_runtime
+from titan_trainer.runtime import build_parallel_runtime
 from titan_trainer.train import train_step
 
 READBACKS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}

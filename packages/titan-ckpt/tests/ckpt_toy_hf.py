@@ -28,7 +28,8 @@ class ToyArgs:
 
 
 class ToyAdapter:
-    def __init__(self, args: ToyArgs):
+    def __init__(self, args: ToyArgs, *, bos_token_id=None, eos_token_id=None):
+        # The ids `ModelSpec.hf_adapter` is given (a config.json's); the toy writes none.
         self.args = args
 
     def to_hf(self, state_dict):

@@ -26,7 +26,6 @@ from titan_models.attention_backend import (
     attention_candidates,
     choose_attention_backend,
     runnable_choice,
-    set_attention_backend,
 )
 from titan_trainer.config import JobConfig
 
@@ -38,19 +37,23 @@ log = get_logger("train")
 RING_KERNELS = ("flash", "cudnn", "efficient")
 
 
-def attention_shape(config: JobConfig, dims: ParallelDims, model_args) -> AttentionShape:
-    """This rank's causal attention in a training step."""
+def attention_shape(
+    config: JobConfig, dims: ParallelDims, heads: tuple[int, int, int]
+) -> AttentionShape:
+    """This rank's causal attention in a training step, for the model's `heads` (query heads,
+    key/value heads, head size: `TrainableModel.sdpa_heads`)."""
     batch = (
         config.parallelism.pipeline_parallel_microbatch_size
         if dims.pp_enabled
         else config.training.local_batch_size
     )
+    query_heads, kv_heads, head_dim = heads
     return AttentionShape(
         batch=batch,
-        heads=model_args.n_heads // dims.tp,
-        kv_heads=model_args.kv_heads // dims.tp,
+        heads=query_heads // dims.tp,
+        kv_heads=kv_heads // dims.tp,
         seq=config.training.seq_len // dims.cp,
-        head_dim=model_args.head_dim,
+        head_dim=head_dim,
     )
 
 
@@ -67,13 +70,13 @@ def apply_attention_backend(
     name = config.model.attention_backend
     if name == "default":
         return None
-    shape = attention_shape(config, dims, parts[0].args)
+    shape = attention_shape(config, dims, parts[0].sdpa_heads())
     if name == "auto":
         choice = _agreed_fastest(shape, dtype, device, ring=dims.cp > 1)
     else:
         choice = _checked(name, shape, dtype, device)
     for part in parts:
-        set_attention_backend(part, choice)
+        part.set_sdpa_backend(choice)
     return choice
 
 

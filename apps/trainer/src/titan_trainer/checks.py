@@ -4,17 +4,32 @@ tokenizer, the datasets and the whole model are `titan_trainer.preflight`'s."""
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import time
 
 import torch
 
-from titan_core import ConfigError, ParallelDims, PluginError, plugins, resolve
+import titan_parallel
+from titan_core import (
+    ConfigError,
+    ModelArgs,
+    ModelSpec,
+    ParallelDims,
+    PluginError,
+    any_rank,
+    device_name,
+    get_logger,
+    parallelizable_problems,
+    plugins,
+    resolve,
+)
+from titan_parallel.expert_parallel import tp_plan_overlaps
+from titan_trainer.batch import BatchShape
+from titan_trainer.checkpointing import CheckpointPlan
 from titan_trainer.config import JobConfig
 from titan_trainer.layout import Layout
-from titan_trainer.model import moe_balance_for
-from titan_trainer.optimizer import optimizer_factory, optimizer_problem
+from titan_trainer.model import model_spec
+from titan_trainer.optimizer import optimizer_problem
 
 
 def _plugin_problem(group: str, key: str, name: str) -> str | None:
@@ -25,44 +40,41 @@ def _plugin_problem(group: str, key: str, name: str) -> str | None:
     return None
 
 
+def find_model(config: JobConfig) -> tuple[ModelSpec | None, list[str]]:
+    """(the family `[model] name` names, or None; the problems with it or its flavor): the
+    run's one lookup of its model by name, before the tokenizer and the config checks, which
+    are given what it found. None when the name or the flavor finds nothing."""
+    name, flavor = config.model.name, config.model.flavor
+    try:
+        spec = model_spec(config)
+    except PluginError as e:
+        return None, [f"[model] name = {name!r}: {e}"]
+    if flavor in spec.flavors:
+        return spec, []
+    known = ", ".join(spec.flavors)
+    by_lower = {f.lower(): f for f in spec.flavors}
+    close = [by_lower[c] for c in difflib.get_close_matches(flavor.lower(), list(by_lower), n=1)]
+    hint = f"\ndid you mean {close[0]}?" if close else ""
+    return None, [f"[model] flavor = {flavor!r} is not a flavor of {name}\nknown: {known}{hint}"]
+
+
 def _plugin_problems(config: JobConfig, world_size: int) -> list[str]:
-    """Every plugin the config names is installed (model and flavor, optimizer, converters,
-    data, checkpointer), and a seed checkpoint is made by one process."""
-    problems: list[str] = []
-    model_problem = _plugin_problem(plugins.MODELS, "[model] name", config.model.name)
-    if model_problem:
-        problems.append(model_problem)
-    else:
-        spec = resolve(plugins.MODELS, config.model.name)
-        if config.model.flavor not in spec.flavors:
-            known = ", ".join(spec.flavors)
-            by_lower = {name.lower(): name for name in spec.flavors}
-            close = [
-                by_lower[c]
-                for c in difflib.get_close_matches(config.model.flavor.lower(), list(by_lower), n=1)
-            ]
-            hint = f"\ndid you mean {close[0]}?" if close else ""
-            problems.append(
-                f"[model] flavor = {config.model.flavor!r} is not a flavor of {config.model.name}\nknown: {known}{hint}"
-            )
-    problem = optimizer_problem(config.optimizer.name)
-    if problem:
-        problems.append(problem)
-    for name in config.model.converters:
-        problem = _plugin_problem(plugins.CONVERTERS, "[model] converters", name)
-        if problem:
-            problems.append(problem)
-    problem = _plugin_problem(plugins.DATA, "[training] data_plugin", config.training.data_plugin)
-    if problem:
-        problems.append(problem)
-    ckpt = config.checkpoint
-    if ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path:
-        problem = _plugin_problem(
-            plugins.CHECKPOINTERS, "[checkpoint] checkpointer", ckpt.checkpointer
+    """Every other plugin the config names is installed (optimizer, converters, data,
+    checkpointer, metric sinks), and a seed checkpoint is made by one process."""
+    plan = CheckpointPlan.of(config.checkpoint)
+    named = [
+        *((plugins.CONVERTERS, "[model] converters", name) for name in config.model.converters),
+        (plugins.DATA, "[training] data_plugin", config.training.data_plugin),
+        *((plugins.METRIC_SINKS, "[metrics] sinks", name) for name in config.metrics.sinks),
+    ]
+    if plan.needs_checkpointer:
+        named.append(
+            (plugins.CHECKPOINTERS, "[checkpoint] checkpointer", config.checkpoint.checkpointer)
         )
-        if problem:
-            problems.append(problem)
-    if ckpt.create_seed_checkpoint and world_size != 1:
+    found = [optimizer_problem(config.optimizer.name)]
+    found += [_plugin_problem(group, where, name) for group, where, name in named]
+    problems = [problem for problem in found if problem]
+    if plan.seed and world_size != 1:
         problems.append(
             f"[checkpoint] create_seed_checkpoint needs exactly 1 process, but the job has {world_size}\n"
             "run it without torchrun (or with --nproc_per_node 1)"
@@ -70,26 +82,30 @@ def _plugin_problems(config: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
-def check_config(config: JobConfig, world_size: int, vocab_size: int | None = None) -> Layout:
+def check_config(
+    config: JobConfig,
+    world_size: int,
+    vocab_size: int | None = None,
+    *,
+    model: tuple[ModelSpec | None, list[str]] | None = None,
+) -> Layout:
     """Raise ConfigError listing every problem of `config` for a job of `world_size` processes;
-    else the job's `Layout` (`vocab_size`: the tokenizer's, when the caller has loaded it)."""
-    problems = _plugin_problems(config, world_size)
-    model_found = _plugin_problem(plugins.MODELS, "[model] name", config.model.name) is None
+    else the job's `Layout` (`vocab_size`: the tokenizer's, when the caller has loaded it;
+    `model`: what `find_model` found, when the caller has looked)."""
+    spec, found = model if model is not None else find_model(config)
+    problems = [*found, *_plugin_problems(config, world_size)]
     try:
-        layout = Layout.resolve(config, world_size)
+        dims = config.parallelism.build_parallel_dims(world_size)
     except ConfigError as e:
-        problems.extend(e.problems)
-        raise ConfigError(problems) from None
-    layout.vocab_size = vocab_size
-    dims = layout.dims
+        raise ConfigError(problems + e.problems) from None
+    layout = Layout(config, dims, spec, vocab_size) if spec is not None else None
+    flavor = layout.flavor if layout is not None else None
     problems += _expert_problems(config, layout)
-    problems += _balance_problems(config)
-    problems += _hf_export_problems(config)
+    problems += _balance_problems(config, flavor)
+    problems += _hf_export_problems(config, flavor)
     problems += _tensor_parallel_problems(config, layout)
-    if model_found:
-        spec = resolve(plugins.MODELS, config.model.name)
-        problems += _loss_chunk_problems(config, dims, spec)
-    problems += _batch_and_length_problems(config, dims)
+    problems += _loss_chunk_problems(config, dims, flavor)
+    problems += _batch_and_length_problems(config, layout.batch if layout else None, dims)
     problems += config.fault_tolerance.validate()
     if config.model.attn_mask_type == "block_causal" and dims.cp > 1:
         problems.append(
@@ -106,7 +122,7 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
             f" attn_mask_type = {config.model.attn_mask_type!r}: it picks how a block-causal mask"
             " is computed\nset attn_mask_type = 'block_causal', or leave block_causal_impl out"
         )
-    problems += _attention_backend_problems(config, layout)
+    problems += _attention_backend_problems(config, dims, spec)
     if config.validation.enable and dims.pp_enabled:
         problems += _pipeline_validation_problems(config)
     if problems:
@@ -114,23 +130,21 @@ def check_config(config: JobConfig, world_size: int, vocab_size: int | None = No
     return layout
 
 
-def _buildable_meta_model(config: JobConfig, layout: Layout):
+def _readable_model(config: JobConfig, layout: Layout | None):
     """The layout's model on the meta device, for the checks that read it; None when it cannot
-    be built (an unknown model or flavor, a multi-token-prediction depth the flavor refuses),
+    be built (an unknown model or flavor, a multi-token-prediction depth the family refuses),
     which the checks before and the preflight report."""
-    try:
-        spec = resolve(plugins.MODELS, config.model.name)
-        spec.flavors[config.model.flavor]
-    except (PluginError, KeyError):
-        return None
-    if mtp_problems(config, spec):
+    if layout is None or mtp_problems(config, layout.spec):
         return None
     return layout.meta_model()
 
 
-def _attention_backend_problems(config: JobConfig, layout: Layout) -> list[str]:
-    """`[model] attention_backend` only steers causal attention, of layers that take it, and
-    context parallel's ring attention only runs the fused kernels."""
+def _attention_backend_problems(
+    config: JobConfig, dims: ParallelDims, spec: ModelSpec | None
+) -> list[str]:
+    """`[model] attention_backend` only steers causal attention, of a family whose models take
+    a kernel (`ModelFeatures.sdpa_backend`), and context parallel's ring attention only runs
+    the fused kernels."""
     backend = config.model.attention_backend
     if backend == "default":
         return []
@@ -140,15 +154,14 @@ def _attention_backend_problems(config: JobConfig, layout: Layout) -> list[str]:
             f" {config.model.attn_mask_type!r}: it picks the kernel of causal attention (the"
             " mask's own is block_causal_impl)\nleave attention_backend out (or 'default')"
         ]
-    if backend == "math" and layout.dims.cp > 1:
+    if backend == "math" and dims.cp > 1:
         return [
             f"[model] attention_backend = 'math' does not work with context parallel"
-            f" (context_parallel_degree = {layout.dims.cp}): torch's ring attention exchanges"
+            f" (context_parallel_degree = {dims.cp}): torch's ring attention exchanges"
             " keys and values for the fused kernels only\nuse attention_backend = 'auto',"
             " 'flash', 'cudnn' or 'efficient'"
         ]
-    model = _buildable_meta_model(config, layout)
-    if model is None or any(hasattr(m, "sdpa_backend") for m in model.modules()):
+    if spec is None or spec.features.sdpa_backend:
         return []
     return [
         f"[model] attention_backend = {backend!r}: {config.model.name} {config.model.flavor}"
@@ -158,15 +171,17 @@ def _attention_backend_problems(config: JobConfig, layout: Layout) -> list[str]:
     ]
 
 
-def _batch_and_length_problems(config: JobConfig, dims: ParallelDims) -> list[str]:
+def _batch_and_length_problems(
+    config: JobConfig, batch: BatchShape | None, dims: ParallelDims
+) -> list[str]:
     """Sequence lengths the layout can split, and a global batch accumulation can reach."""
     t = config.training
     problems = _seq_len_problems("training", t.seq_len, dims)
-    per_step = t.local_batch_size * dims.dp_degree
-    if t.global_batch_size != -1 and t.global_batch_size % per_step:
+    batch = batch or BatchShape.of(t, dims.dp_degree)
+    if not batch.divides:
         problems.append(
             f"[training] global_batch_size = {t.global_batch_size} is not a multiple of local_batch_size x data-parallel"
-            f" degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}\n"
+            f" degree = {t.local_batch_size} x {dims.dp_degree} = {batch.per_microbatch}\n"
             "gradient accumulation needs a whole number of microbatches; use a multiple, or -1"
         )
     v = config.validation
@@ -203,16 +218,14 @@ def _pipeline_validation_problems(config: JobConfig) -> list[str]:
     return problems
 
 
-def _expert_problems(config: JobConfig, layout: Layout) -> list[str]:
+def _expert_problems(config: JobConfig, layout: Layout | None) -> list[str]:
     """Whether the model's mixture-of-experts layers split over this layout (EP degree dividing
     the experts, TP the experts' hidden features), read from the layout's model on the meta
     device; only when EP or TP is on (a dense model under TP needs nothing here)."""
-    import titan_parallel
-
-    dims = layout.dims
-    if dims.ep == 1 and dims.tp == 1:
+    if layout is None or (layout.dims.ep == 1 and layout.dims.tp == 1):
         return []
-    model = _buildable_meta_model(config, layout)
+    dims = layout.dims
+    model = _readable_model(config, layout)
     if model is None or (dims.ep == 1 and not titan_parallel.moe_layers(model)):
         return []  # a dense model under TP: nothing to split here
     problems = titan_parallel.expert_parallel_problems(model, ep=dims.ep, tp=dims.tp)
@@ -221,37 +234,15 @@ def _expert_problems(config: JobConfig, layout: Layout) -> list[str]:
     return problems
 
 
-MOE_BALANCE_KEYS = (
-    "moe_aux_loss_alpha",
-    "moe_load_balance_coeff",
-    "moe_router_selection",
-    "moe_capacity_factor",
-    "moe_router_centering",
-)
-
-
-def _flavor_moe(config: JobConfig) -> tuple[bool, object | None]:
-    """Whether the config's model and flavor are installed, and the flavor's MoE arguments
-    (None for a dense flavor)."""
-    try:
-        args = resolve(plugins.MODELS, config.model.name).flavors[config.model.flavor]
-    except (PluginError, KeyError):
-        return False, None
-    return True, getattr(args, "moe", None)
-
-
-def _balance_problems(config: JobConfig) -> list[str]:
+def _balance_problems(config: JobConfig, flavor: ModelArgs | None) -> list[str]:
     """The MoE balancing keys on a flavor without experts would do nothing, and some do not
     go together (Sinkhorn selection and the expert bias): say so."""
     m = config.model
-    keys = [k for k in MOE_BALANCE_KEYS if getattr(m, k) is not None]
-    if not keys:
-        return []
-    found, moe = _flavor_moe(config)
-    if not found:
-        return []  # reported as such by the checks above
-    if moe is not None:
-        moe = moe_balance_for(moe, config)
+    keys = m.moe_keys_set()
+    if not keys or flavor is None:
+        return []  # nothing set, or no flavor to check (reported as such above)
+    if flavor.moe is not None:
+        moe = m.experts(flavor.moe)
         if moe.router_selection == "sinkhorn" and moe.load_balance_coeff is not None:
             return [
                 f"[model] moe_router_selection = 'sinkhorn' with {m.name} {m.flavor}'s expert"
@@ -265,14 +256,13 @@ def _balance_problems(config: JobConfig) -> list[str]:
     ]
 
 
-def _hf_export_problems(config: JobConfig) -> list[str]:
+def _hf_export_problems(config: JobConfig, flavor: ModelArgs | None) -> list[str]:
     """A router that reads a centered input has no counterpart in Hugging Face's models: the
     export at the end of the run would fail after the training, so refuse it before."""
     m = config.model
-    if not config.checkpoint.last_save_in_hf:
+    if not config.checkpoint.last_save_in_hf or flavor is None or flavor.moe is None:
         return []
-    found, moe = _flavor_moe(config)
-    if not found or moe is None or not moe_balance_for(moe, config).router_centering:
+    if not m.experts(flavor.moe).router_centering:
         return []
     return [
         f"[checkpoint] last_save_in_hf with {m.name} {m.flavor}'s router centering"
@@ -299,8 +289,9 @@ def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[st
     ]
 
 
-def mtp_problems(config: JobConfig, spec) -> list[str]:
-    """`[model] n_mtp_layers` needs a family that has multi-token-prediction layers."""
+def mtp_problems(config: JobConfig, spec: ModelSpec) -> list[str]:
+    """`[model] n_mtp_layers` needs a family that has multi-token-prediction layers
+    (`ModelFeatures.mtp`)."""
     wanted = config.model.n_mtp_layers
     if wanted is None:
         return []
@@ -309,8 +300,7 @@ def mtp_problems(config: JobConfig, spec) -> list[str]:
             f"[model] n_mtp_layers = {wanted} is not valid\nuse 0 (none) or more, or leave it"
             " unset for the flavor's"
         ]
-    args = spec.flavors[config.model.flavor]
-    if wanted and not any(f.name == "n_mtp_layers" for f in dataclasses.fields(args)):
+    if wanted and not spec.features.mtp:
         return [
             f"[model] n_mtp_layers = {wanted}: {config.model.name} has no multi-token-prediction"
             " layers (deepseek_v3 has)\nleave n_mtp_layers unset for this model"
@@ -318,7 +308,9 @@ def mtp_problems(config: JobConfig, spec) -> list[str]:
     return []
 
 
-def _loss_chunk_problems(config: JobConfig, dims: ParallelDims, spec) -> list[str]:
+def _loss_chunk_problems(
+    config: JobConfig, dims: ParallelDims, flavor: ModelArgs | None
+) -> list[str]:
     """`[training] loss_chunk_tokens` with what it cannot yet be combined with."""
     chunk = config.training.loss_chunk_tokens
     if chunk <= 0:
@@ -337,10 +329,9 @@ def _loss_chunk_problems(config: JobConfig, dims: ParallelDims, spec) -> list[st
             f" (pipeline_parallel_degree = {dims.pp}): the schedule calls the loss on the last"
             f" stage's logits\nuse pipeline_parallel_degree = 1, {off}"
         )
-    flavor = spec.flavors.get(config.model.flavor)
     depth = config.model.n_mtp_layers
     if depth is None:
-        depth = getattr(flavor, "n_mtp_layers", 0)
+        depth = flavor.n_mtp_layers if flavor is not None else 0
     if depth:
         problems.append(
             f"[training] loss_chunk_tokens = {chunk} does not work with multi-token prediction"
@@ -357,38 +348,33 @@ def _loss_chunk_problems(config: JobConfig, dims: ParallelDims, spec) -> list[st
     return problems
 
 
-def _tensor_parallel_problems(config: JobConfig, layout: Layout) -> list[str]:
+def _tensor_parallel_problems(config: JobConfig, layout: Layout | None) -> list[str]:
     """The model's tensor-parallel plan at this degree (heads, hidden sizes, experts' overlap),
     read from the layout's model on the meta device: what `parallelize` would refuse later.
     The vocabulary is padded to a multiple of 64 for any degree."""
-    import titan_parallel
-
-    dims = layout.dims
-    if not dims.tp_enabled:
+    if layout is None or not layout.dims.tp_enabled:
         return []
-    model = _buildable_meta_model(config, layout)
-    if model is None or not hasattr(model, "tp_plan"):
+    model = _readable_model(config, layout)
+    if model is None or parallelizable_problems(model):
         return []  # parallelize names what the model lacks
-    from titan_parallel.expert_parallel import tp_plan_overlaps
-
     plan = model.tp_plan()
-    problems = titan_parallel.check_tp_plan(model, plan, dims.tp)
+    problems = titan_parallel.check_tp_plan(model, plan, layout.dims.tp)
     if titan_parallel.moe_layers(model):
         problems += tp_plan_overlaps(model, plan)
     return [f"{config.model.name} {config.model.flavor}: {problem}" for problem in problems]
 
 
-def block_causal_device_problem(config: JobConfig, device: torch.device) -> str | None:
+def block_causal_device_problem(
+    config: JobConfig, device: torch.device, spec: ModelSpec
+) -> str | None:
     """With block-causal attention: the model family's own check of its attention on this
     device with `[model] block_causal_impl` (`ModelSpec.block_causal_check`: the chosen
     implementation against the dense mask, forward and backward, fp32 and bf16), run
     before training; a message when it fails on any rank, so that no run trains with a mask
-    that lets documents see each other. A family without a check is not checked."""
+        that lets documents see each other. A family without a check is not checked. `spec`: the
+    run's family (`Layout.spec`)."""
     if config.model.attn_mask_type != "block_causal":
         return None
-    from titan_core import any_rank, device_name, get_logger
-
-    spec = resolve(plugins.MODELS, config.model.name)
     if spec.block_causal_check is None:
         return None
     start = time.perf_counter()
@@ -409,10 +395,3 @@ def block_causal_device_problem(config: JobConfig, device: torch.device) -> str 
         " block_causal_impl ('dense' runs anywhere), attn_mask_type = 'causal' on this"
         " machine, or another torch version"
     )
-
-
-def optimizer_state_copies(optimizer) -> float:
-    """Parameter-sized copies the optimizer of an [optimizer] section keeps, in units of the
-    (float32) parameters' bytes, as the optimizer's factory reports them
-    (`titan_core.OptimizerFactory.state_copies`)."""
-    return optimizer_factory(optimizer.name).state_copies(optimizer)

@@ -10,7 +10,17 @@ import logging
 import os
 import sys
 
+# Only what loads without torch: the command line and the TOML are read and checked before
+# torch's seconds of import (the config sections load without it, titan_core.lazy), and
+# `--version`, `--list-configs` and `--config-path` answer without it.
+from titan_core import available, get_logger, plugins
+from titan_core.config import ConfigError, load_config, render_help
+from titan_core.log import init_logging
+from titan_core.versions import version_text
+from titan_trainer.config import JobConfig
+from titan_trainer.logs import choose_console_ranks
 from titan_trainer.shipped import describe_shipped, find_config_file
+from titan_trainer.tools import error_text
 
 # Exit statuses (the trainer README's "Exit status"): a shell's 128 + signal number for a run
 # that a signal stopped early, so that `titan-train ... && next-stage` stops there too.
@@ -50,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     answered = answer_without_torch(args)
     if answered is not None:
         return answered
-    # The command line and the TOML are read and checked before torch is imported (seconds):
-    # a misspelled key, a wrong type or an impossible value is said at once. The config
-    # sections load without torch (titan_core.lazy).
-    from titan_core.config import ConfigError, load_config, render_help
-    from titan_core.log import init_logging
-    from titan_trainer.config import JobConfig
-
+    # A misspelled key, a wrong type or an impossible value is said at once, before torch.
     if "-h" in args or "--help" in args:
         print(render_help(JobConfig) + "\n" + MORE_HELP)
         return 0
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     if config.comm.mode == "fake_backend":
-        from titan_trainer.dry_run import main_dry_run
+        from titan_trainer.dry_run import main_dry_run  # torch: once the config is checked
 
         # Run as the command (arguments from sys.argv), this process has only loaded the
         # config; a caller passing its own arguments may have run anything before.
@@ -84,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 def check_and_train(config, check_only: bool) -> int:
     """The checks a run makes before it starts (`preflight`: the config for this world size,
     the tokenizer, the datasets, the checkpoints), then the run unless `check_only`."""
-    from titan_core import ConfigError, get_logger, world_size_from_env
-    from titan_trainer.logs import choose_console_ranks
+    # torch: once the config is checked.
+    from titan_core import world_size_from_env
     from titan_trainer.preflight import preflight
 
     choose_console_ranks(config.logging, world_size=world_size_from_env())
@@ -105,8 +109,6 @@ def check_and_train(config, check_only: bool) -> int:
 
 def list_plugins() -> int:
     """`--list-plugins`: what each entry-point group holds, by name and where it points."""
-    from titan_core import available, plugins
-
     for group in plugins.GROUPS:
         found = available(group)
         print(f"{group}: " + (", ".join(f"{k} ({v})" for k, v in sorted(found.items())) or "none"))
@@ -117,8 +119,6 @@ def answer_without_torch(args: list[str]) -> int | None:
     """`--version`, `--list-configs` and `--config-path NAME`, answered without importing
     torch (seconds): launch scripts call them. The exit status, or None for anything else."""
     if "--version" in args:
-        from titan_core.versions import version_text
-
         print(version_text("titan-train", "titan-llm-trainer"))
         return 0
     if "--list-configs" in args:
@@ -142,10 +142,10 @@ def run_training(config, layout=None) -> int:
     """Train the checked `config` on this process (with the `Layout` its checks resolved);
     the exit status says how the run ended, and a problem the user can act on is one message,
     without a traceback."""
-    from titan_core import CheckpointError, ConfigError, RunFolderError
+    # torch and the whole trainer: once the config and the job's checks have passed.
+    from titan_core import CheckpointError, RunFolderError
     from titan_trainer.comm import CollectiveError
     from titan_trainer.guards import NonFiniteStepError, StartupError
-    from titan_trainer.tools import error_text
     from titan_trainer.train import train
 
     try:

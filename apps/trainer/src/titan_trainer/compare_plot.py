@@ -33,7 +33,9 @@ def comparison_figure(
     runs: Mapping[str, Series], metrics: Sequence[str], reference: str
 ) -> Comparison:
     """The figure of `metrics` for `runs` against `reference` (a key of `runs`)."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    # matplotlib is an extra ([plots]), imported when a figure is drawn; no pyplot: no GUI
+    # backend, no global state.
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     drawn = [m for m in metrics if _ever_nonzero(runs, m)] or list(metrics[:1])

@@ -1,5 +1,5 @@
-"""The trainer's side of mixture-of-experts layers (any module with `update_expert_bias` and
-`step_sums`, such as titan-models' `MoE`): after each optimizer step the expert biases move
+"""The trainer's side of mixture-of-experts layers (`titan_core.MoELayer`: the modules in the
+blocks that give `moe_plan()`, such as titan-models' `MoE`): after each optimizer step the expert biases move
 towards even load, from the tokens every expert received on all the ranks that share the
 weights, and routers with centering take the mean of those ranks' router inputs; the load of
 every layer is reported as max / mean tokens per expert on the metric line and in TensorBoard;
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_core import ParallelDims, get_logger
+import titan_parallel
+from titan_core import MoELayer, ParallelDims, get_logger
 
 log = get_logger("experts")
 
@@ -33,16 +34,17 @@ COLLAPSE_WARNING = (
 )
 
 
+def _moe_layers(part: nn.Module) -> list[tuple[str, MoELayer]]:
+    """(name, layer) of each mixture-of-experts layer in the part's blocks: the modules that
+    give a `moe_plan()`, found as expert parallel finds them."""
+    return [(name, layer) for name, layer, _ in titan_parallel.moe_layers(part)]
+
+
 class ExpertLoad:
     def __init__(self, parts: list[nn.Module], dims: ParallelDims, accum: int):
         """`accum`: forward passes per optimizer step over which the auxiliary loss's
         gradient adds up (accumulated microbatches times pipeline microbatches)."""
-        named = [
-            (name, m)
-            for part in parts
-            for name, m in part.named_modules()
-            if hasattr(m, "update_expert_bias")
-        ]
+        named = [(name, m) for part in parts for name, m in _moe_layers(part)]
         self.layers = [m for _, m in named]
         # "layers.3.moe" -> "layers.3": the block, as the model's state dict names it.
         self.names = [name.rsplit(".", 1)[0] if "." in name else name for name, _ in named]
@@ -59,9 +61,7 @@ class ExpertLoad:
         # Per layer, re-routed and all token-expert choices since the last read.
         self._rerouted: torch.Tensor | None = None
         self._chosen: torch.Tensor | None = None
-        self.capped = any(
-            getattr(getattr(m, "args", None), "capacity_factor", None) for m in self.layers
-        )
+        self.capped = any(m.args.capacity_factor for m in self.layers)
 
     def __bool__(self) -> bool:
         return bool(self.layers)

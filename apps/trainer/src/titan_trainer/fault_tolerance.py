@@ -19,16 +19,14 @@ import importlib.util
 import os
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from titan_ckpt import ModelState, OptimizerState
 from titan_core import get_logger
+from titan_parallel import ReplicaGroup, SemiSync  # torchft (an extra) loads when one is built
+from titan_trainer.checkpointing.build import replica_states
 from titan_trainer.step import ALONE, StepCoordinator
-
-if TYPE_CHECKING:  # imported when fault tolerance is on only (torchft is an extra)
-    from titan_parallel import ReplicaGroup, SemiSync
 
 log = get_logger("fault_tolerance")
 
@@ -130,16 +128,10 @@ def build_replica_group(
     ft = config.fault_tolerance
     if not ft.enable:
         return None
-    from titan_parallel import ReplicaGroup
-
+    states = replica_states(parts, optimizer)  # as the checkpoints keep them
     return ReplicaGroup(
         ft,
-        {
-            "model": ModelState(parts),
-            "optimizer": OptimizerState(parts, optimizer),
-            "lr_scheduler": lr_scheduler,
-            "train_state": train_state,
-        },
+        {**states, "lr_scheduler": lr_scheduler, "train_state": train_state},
         device=info.device,
     )
 
@@ -149,8 +141,6 @@ def build_semi_sync(replicas: ReplicaGroup, parts) -> SemiSync | None:
     else None."""
     if not replicas.config.semi_sync_method:
         return None
-    from titan_parallel import SemiSync
-
     return SemiSync(replicas, [p for part in parts for p in part.parameters()])
 
 

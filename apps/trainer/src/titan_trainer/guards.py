@@ -13,14 +13,12 @@ which costs one synchronisation per step.
 
 from __future__ import annotations
 
-import os
-import re
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_core import FolderLock, RunFolderError, any_rank, check_writable, get_logger
+from titan_trainer.checkpointing.space import folder_to_write
 
 log = get_logger("guards")
 
@@ -44,12 +42,11 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
             check_writable(
                 dump, purpose="dump folder", hint="point --job.dump_folder at another folder"
             )
-            ckpt = config.checkpoint
-            # A URL folder (s3://...) is the checkpointer's to probe: it writes a test object
-            # there when it is built, still before the first step.
-            if (ckpt.enable or ckpt.create_seed_checkpoint) and not _is_url(ckpt.folder):
+            # None for a URL folder (s3://...): the checkpointer probes it when it is built.
+            folder = folder_to_write(config)
+            if folder is not None:
                 check_writable(
-                    os.path.join(dump, ckpt.folder),
+                    folder,
                     purpose="checkpoint folder",
                     hint="point --checkpoint.folder at another folder (relative to the dump folder)",
                 )
@@ -72,10 +69,12 @@ def claim_run_folders(config, rank: int) -> FolderLock | None:
     return lock
 
 
-def _is_url(folder: str) -> bool:
-    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", folder) is not None and not folder.startswith(
-        "file://"
-    )
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips its update on the device when its `found_inf` is non-zero:
+    torch's fused Adam, AdamW, SGD and Adagrad do (those torch's GradScaler hands `found_inf`);
+    any other is checked on the host."""
+    fused = isinstance(optimizer, torch.optim.Adam | torch.optim.SGD | torch.optim.Adagrad)
+    return fused and bool(optimizer.defaults.get("fused"))
 
 
 class StepGuard:
@@ -89,10 +88,7 @@ class StepGuard:
     def __init__(self, optimizer: torch.optim.Optimizer, max_in_a_row: int = 0):
         self.optimizer = optimizer
         self.max_in_a_row = max_in_a_row
-        # Fused Adam/AdamW skip their update on the device when `found_inf` is non-zero.
-        self.on_device = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and bool(
-            optimizer.defaults.get("fused")
-        )
+        self.on_device = skips_on_device(optimizer)
         self.skipped = 0  # non-finite steps skipped so far (as of the last read, on the device)
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         # On the device: [step, loss, grad_norm] of the latest bad step; bad steps in all, in

@@ -21,8 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_core import MemoryMonitor, ParallelDims, get_logger
+from titan_parallel.memory_estimate import fake_tensors
+from titan_trainer.model import build_meta_model, model_spec
 
 log = get_logger("memory")
 GiB = 1024**3
@@ -59,8 +62,6 @@ class RankNeed:
 def state_bytes(parts, optimizer_states: float) -> int:
     """Parameter shards of this rank's parts (counted on the meta device), their gradients and
     `optimizer_states` parameter-sized copies."""
-    from torch.distributed.tensor import DTensor
-
     nbytes = 0
     for part in parts:
         for p in part.parameters():
@@ -76,9 +77,7 @@ def activation_bytes(
     Tensor and context parallel split them over their ranks (sequence parallel the rest).
     `model`: the full model on the meta device, which this changes (built when not given)."""
     if model is None:
-        from titan_trainer.layout import build_meta_model
-
-        model = build_meta_model(config, vocab_size)
+        model = build_meta_model(model_spec(config), config, vocab_size)
     kinds = _block_kinds(model)
     t = config.training
     outside, per_kind, inputs = _saved_bytes(
@@ -112,8 +111,6 @@ def _block_kinds(model: nn.Module) -> dict[tuple, tuple[str, int]]:
 def _saved_bytes(model, kinds, batch: int, seq_len: int, device, dtype):
     """One forward pass and the loss, with one block of each kind, on fake tensors: bytes saved
     for backward outside the blocks, inside each kind's block, and each block's input."""
-    from titan_parallel.memory_estimate import fake_tensors
-
     keep = {first for first, _ in kinds.values()}
     for key in [k for k in model.layers if k not in keep]:
         del model.layers[key]

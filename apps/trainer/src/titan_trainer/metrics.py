@@ -1,18 +1,21 @@
-"""Per-step metrics: one dense console line, TensorBoard scalars and (optionally) Weights &
-Biases, all from rank 0 and all with the same scalars."""
+"""Per-step metrics: one dense console line on every rank, and the same scalars from rank 0 to
+each metric sink the run names (TensorBoard, Weights & Biases, or a third one: plugins of the
+`titan.metric_sinks` group), and the end-of-run curves."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from titan_core import get_logger
+from titan_core import MetricRun, MetricSink, get_logger, plugins, resolve
+from titan_trainer.config import Metrics
 from titan_trainer.plots import (
     event_folders,
-    mark_run,
     matplotlib_missing,
     read_event_folders,
+    tb_run_path,
     write_run_plots,
 )
 
@@ -86,7 +89,9 @@ MFU_ABOVE_100 = (
 
 
 class MetricsLogger:
-    """Writes the metrics line (every rank), TensorBoard scalars and W&B scalars (rank 0)."""
+    """Writes the metrics line (every rank) and, from rank 0, the same scalars to each metric
+    sink the run names (TensorBoard and W&B are two `titan.metric_sinks` plugins; see
+    `sink_names`), and the end-of-run curves."""
 
     def __init__(
         self,
@@ -100,41 +105,34 @@ class MetricsLogger:
         run_config: dict | None = None,
         plots_folder: str = "",
         run_id: str = "",
+        sinks: Sequence[str] = (),
+        section: Metrics | None = None,
     ):
+        """`section`: the run's `[metrics]`, which the sinks are given (a caller without one
+        gets a section of the values passed)."""
         self.rank = rank
-        self.writer = None
-        self.wandb_run = None
         self._warned_mfu = False
         self.run_name = run_name or ""
-        # One folder per run (a resumed run keeps its id), one subfolder per start of it.
-        self.tb_path = os.path.join(dump_folder, tb_folder)
-        self.run_path = os.path.join(self.tb_path, run_id) if run_id else self.tb_path
-        # The end-of-run curves (rank 0), from this process's values when TensorBoard is off.
+        metrics = section or Metrics(
+            enable_tensorboard=enable_tensorboard,
+            save_tb_folder=tb_folder,
+            enable_wandb=enable_wandb,
+            sinks=list(sinks),
+        )
+        names = sink_names(metrics)
+        # The end-of-run curves (rank 0), from this process's values unless TensorBoard holds
+        # earlier starts of the run (a resumed run): its events are read back.
+        self.run_path = tb_run_path(os.path.join(dump_folder, tb_folder), run_id)
+        self.reads_events = "tensorboard" in names
         self.plots = os.path.join(dump_folder, plots_folder) if plots_folder and rank == 0 else ""
         self.history: dict[str, dict[int, float]] = {}
         if self.plots and matplotlib_missing():
             log.info("plots: %s", matplotlib_missing())
             self.plots = ""
-        if enable_tensorboard and rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
-            if run_id:
-                mark_run(self.run_path, run_id)
-            path = os.path.join(self.run_path, time.strftime("%Y%m%d-%H%M%S"))
-            self.writer = SummaryWriter(path)
-            log.info("TensorBoard: tensorboard --logdir %s", os.path.join(dump_folder, tb_folder))
-        if enable_wandb and rank == 0:
-            import wandb
-
-            # Project, entity, mode (online/offline) and name come from W&B's own WANDB_*
-            # variables when set; the run's files go under the dump folder.
-            self.wandb_run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "titan"),
-                name=os.environ.get("WANDB_NAME", run_name),
-                dir=dump_folder,
-                config=run_config,
-            )
-            log.info("Weights & Biases: run %s (%s)", self.wandb_run.name, self.wandb_run.dir)
+        self.sinks: list[MetricSink] = []
+        if rank == 0:
+            run = MetricRun(dump_folder, run_id, self.run_name, run_config or {}, metrics)
+            self.sinks = [resolve(plugins.METRIC_SINKS, name)(run) for name in names]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         # Every rank logs its line (its own log file, and the console for the ranks chosen
@@ -149,17 +147,12 @@ class MetricsLogger:
         if self.plots:
             for key, value in metrics.items():
                 self.history.setdefault(key, {})[step] = float(value)
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, step)
-        if self.wandb_run is not None:
-            self.wandb_run.log(dict(metrics), step=step)
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        for sink in self.sinks:
+            sink.close()
         if self.plots and self.history:
             self._write_plots()
 
@@ -168,7 +161,7 @@ class MetricsLogger:
         earlier starts of it (a resumed run), else of this process's steps. Never of another
         run that used the same dump folder before."""
         try:
-            starts = event_folders(self.run_path) if self.writer is not None else []
+            starts = event_folders(self.run_path) if self.reads_events else []
             resumed = len(starts) > 1
             series = read_event_folders(starts) if resumed else self.history
             written = write_run_plots(series, self.plots, self.run_name)
@@ -176,3 +169,17 @@ class MetricsLogger:
             log.warning("plots: could not draw the curves into %s: %s", self.plots, e)
             return
         log.info("plots: %s", ", ".join(written))
+
+
+def sink_names(metrics) -> list[str]:
+    """The metric sinks a `[metrics]` section names, by their `titan.metric_sinks` entry
+    points: `tensorboard` and `wandb` when switched on, then `sinks`."""
+    named = [
+        name
+        for name, on in (
+            ("tensorboard", metrics.enable_tensorboard),
+            ("wandb", metrics.enable_wandb),
+        )
+        if on
+    ]
+    return named + [name for name in metrics.sinks if name not in named]

@@ -1,6 +1,8 @@
-"""The model a run trains: its arguments (the flavor's, with the run's vocabulary, sequence
-length, mixture-of-experts balancing and multi-token-prediction depth), the converters (Float8
-and friends) applied to it, and the parallelized parts of this rank."""
+"""The model a run trains: its family (found once by name, `model_spec`), its arguments (the
+flavor's, given the run's vocabulary, sequence length and `[model]` settings by the family's own
+`ModelSpec.configure`), the converters (Float8 and friends) applied to it, and the parallelized
+parts of this rank. The trainer reads the model only through titan-core's declared contract
+(`ModelArgs`, `ModelFeatures`, `TrainableModel`)."""
 
 from __future__ import annotations
 
@@ -9,52 +11,47 @@ import json
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
-from titan_core import ParallelDims, get_logger, plugins, resolve
+from titan_core import (
+    ModelArgs,
+    ModelSpec,
+    ParallelDims,
+    get_logger,
+    plugins,
+    resolve,
+    trainable_problems,
+)
 from titan_trainer.config import JobConfig
 
 log = get_logger("train")
 
 
-def model_args_for(spec, config: JobConfig, vocab_size: int):
-    """The flavor's arguments with the tokenizer's vocabulary (rounded up to a multiple of 64,
-    so that any TP degree up to 64 splits it evenly, or the vocabulary of the Hugging Face
-    weights the run starts from when that holds the tokenizer's: Qwen's 151,936 rows for its
-    151,669 ids) and the training sequence length."""
-    args = spec.flavors[config.model.flavor]
+def model_spec(config: JobConfig) -> ModelSpec:
+    """The family `[model] name` names, from the plugin registry (PluginError when none): the
+    one lookup by name, for what has no `Layout` to ask (the layout holds the run's)."""
+    return resolve(plugins.MODELS, config.model.name)
+
+
+def model_args_for(spec: ModelSpec, config: JobConfig, vocab_size: int) -> ModelArgs:
+    """The flavor's arguments for this run (`spec.configure`): the tokenizer's vocabulary
+    (rounded up to a multiple of 64, so that any TP degree up to 64 splits it evenly, or the
+    vocabulary of the Hugging Face weights the run starts from when that holds the
+    tokenizer's: Qwen's 151,936 rows for its 151,669 ids), the training sequence length and
+    the `[model]` settings."""
     padded = -(-vocab_size // 64) * 64
     imported = hf_import_vocab(config)
     if imported is not None and imported >= vocab_size:
         padded = imported
-    changes = {}
-    fields = {f.name for f in dataclasses.fields(args)}
-    if "vocab_size" in fields:
-        changes["vocab_size"] = padded
-    if "max_seq_len" in fields:
-        changes["max_seq_len"] = config.training.seq_len
-    if getattr(args, "moe", None) is not None:
-        changes["moe"] = moe_balance_for(args.moe, config)
-    if config.model.n_mtp_layers is not None and "n_mtp_layers" in fields:
-        changes["n_mtp_layers"] = config.model.n_mtp_layers
-    return dataclasses.replace(args, **changes)
+    flavor = spec.flavors[config.model.flavor]
+    return spec.configure(flavor, config.model, vocab_size=padded, seq_len=config.training.seq_len)
 
 
-def moe_balance_for(moe, config: JobConfig):
-    """The flavor's MoE arguments with the balancing the [model] keys set (0: off)."""
-    m = config.model
-    changes = {}
-    if m.moe_aux_loss_alpha is not None:
-        changes["aux_loss_alpha"] = m.moe_aux_loss_alpha
-    if m.moe_load_balance_coeff is not None:
-        changes["load_balance_coeff"] = m.moe_load_balance_coeff or None
-    if m.moe_router_selection is not None:
-        changes["router_selection"] = m.moe_router_selection
-    if m.moe_capacity_factor is not None:
-        changes["capacity_factor"] = m.moe_capacity_factor or None
-    if m.moe_router_centering is not None:
-        changes["router_centering"] = m.moe_router_centering
-    return dataclasses.replace(moe, **changes)
+def build_meta_model(spec: ModelSpec, config: JobConfig, vocab_size: int) -> nn.Module:
+    """The full model with the run's arguments (`model_args_for`) on the meta device."""
+    with torch.device("meta"):
+        return spec.build(model_args_for(spec, config, vocab_size))
 
 
 def hf_import_vocab(config: JobConfig) -> int | None:
@@ -71,15 +68,13 @@ def hf_import_vocab(config: JobConfig) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def hf_model_args(spec, config: JobConfig, vocab_size: int):
+def hf_model_args(spec: ModelSpec, config: JobConfig, vocab_size: int) -> ModelArgs:
     """The model's arguments as a Hugging Face `config.json` states them: the run's (padded)
     vocabulary, and the flavor's own context length as `max_position_embeddings` rather than
     the run's `training.seq_len` (the rotary table's length while training)."""
     args = model_args_for(spec, config, vocab_size)
-    own = spec.flavors[config.model.flavor]
-    if hasattr(own, "max_seq_len"):
-        args = dataclasses.replace(args, max_seq_len=max(own.max_seq_len, args.max_seq_len))
-    return args
+    own = spec.flavors[config.model.flavor].max_seq_len
+    return dataclasses.replace(args, max_seq_len=max(own, args.max_seq_len))
 
 
 def build_converters(config: JobConfig, dims: ParallelDims) -> list:
@@ -108,12 +103,13 @@ def build_model(
     if layout is not None:
         model = layout.take_model(vocab_size)
     else:
-        from titan_trainer.layout import build_meta_model
-
-        model = build_meta_model(config, vocab_size)
-    # The checks refused a block_causal_impl other than auto for a model without the attribute.
-    if config.model.attn_mask_type == "block_causal" and hasattr(model, "block_causal_impl"):
-        model.block_causal_impl = config.model.block_causal_impl
+        model = build_meta_model(model_spec(config), config, vocab_size)
+    lacking = trainable_problems(model)
+    if lacking:  # a model that lacks part of the contract is named here, before any memory
+        raise TypeError(
+            f"{type(model).__name__} cannot be trained: {'; '.join(lacking)} (see"
+            " titan_core.TrainableModel)"
+        )
     for converter in converters:
         converter.convert(model)
     if config.model.print_after_conversion:

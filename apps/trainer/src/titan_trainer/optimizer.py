@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import titan_parallel
 from titan_core import (
     ConfigError,
     OptimizerFactory,
@@ -25,7 +26,7 @@ from titan_core import (
     plugins,
     resolve,
 )
-from titan_trainer.param_groups import build_param_groups, model_names, unmatched_group_problems
+from titan_trainer.param_grouping import build_param_groups, model_names, unmatched_group_problems
 
 log = get_logger("optimizer")
 
@@ -36,6 +37,13 @@ def optimizer_factory(name: str) -> OptimizerFactory:
     """What `[optimizer] name` names, as a factory: a plugin's own, or for the built-in AdamW
     and Adam the defaults (Adam's two moments; built by `_build`)."""
     return OptimizerPlugin() if name in BUILT_IN else resolve(plugins.OPTIMIZERS, name)
+
+
+def optimizer_state_copies(optimizer) -> float:
+    """Parameter-sized copies the optimizer of an [optimizer] section keeps, in units of the
+    (float32) parameters' bytes, as the optimizer's factory reports them
+    (`titan_core.OptimizerFactory.state_copies`)."""
+    return optimizer_factory(optimizer.name).state_copies(optimizer)
 
 
 def optimizer_problem(name: str) -> str | None:
@@ -86,9 +94,7 @@ def _build(model_parts, cfg, total_steps: int, dims) -> torch.optim.Optimizer:
     if cfg.state_dtype != "float32":
         # torch's AdamW keeps its moments in the parameters' dtype; titan-parallel's AdamW
         # takes the same steps with moments stored in bfloat16.
-        from titan_parallel import AdamW
-
-        return AdamW(params, **kwargs, state_dtype=getattr(torch, cfg.state_dtype))
+        return titan_parallel.AdamW(params, **kwargs, state_dtype=getattr(torch, cfg.state_dtype))
     cls = BUILT_IN[cfg.name]
     if cfg.implementation == "fused":
         try:

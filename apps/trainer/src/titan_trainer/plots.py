@@ -40,6 +40,12 @@ def matplotlib_missing() -> str | None:
     return None if importlib.util.find_spec("matplotlib") is not None else MATPLOTLIB_MISSING
 
 
+def tb_run_path(tb_folder: str, run_id: str) -> str:
+    """The folder of run `run_id`'s events under the TensorBoard folder (the folder itself for
+    a run without an id)."""
+    return os.path.join(tb_folder, run_id) if run_id else tb_folder
+
+
 def event_folders(folder: str) -> list[str]:
     """Every folder under `folder` (itself included) that holds TensorBoard event files."""
     return sorted(
@@ -100,6 +106,7 @@ def read_scalars(folder: str) -> Series:
 def read_event_folders(folders: Sequence[str]) -> Series:
     """Every scalar of the event files in `folders`, by metric and step; a later value of a
     step (a resumed start's) replaces an earlier one."""
+    # tensorboard's reader takes a second to import: only when events are read back.
     from tensorboard.backend.event_processing.event_accumulator import (
         SCALARS,
         EventAccumulator,
@@ -118,7 +125,9 @@ def read_event_folders(folders: Sequence[str]) -> Series:
 
 
 def _figure(title: str, ylabel: str):
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    # matplotlib is an extra ([plots]), imported when a curve is drawn; no pyplot: no GUI
+    # backend, no global state.
+    from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4), dpi=100, layout="constrained")
     axes = figure.subplots()

@@ -7,20 +7,23 @@ handed to the run (`titan_trainer.train.train`)."""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
-from titan_ckpt.preflight import storage_problems
-from titan_core import ConfigError, plugins, resolve
+from torch import nn
+
+import titan_parallel
+from titan_core import ConfigError
 from titan_core.device import resolve_device_type
-from titan_trainer.checks import check_config, mtp_problems, optimizer_state_copies
+from titan_trainer.checkpointing.resume import resume_point, resume_problems
+from titan_trainer.checkpointing.resume_groups import resume_group_problems
+from titan_trainer.checkpointing.space import space_problems, store_problems
+from titan_trainer.checks import check_config, find_model, mtp_problems
 from titan_trainer.config import JobConfig
 from titan_trainer.data import dataset_problems, tokenizer_problems
 from titan_trainer.fault_tolerance import fault_tolerance_problems
 from titan_trainer.layout import Layout
 from titan_trainer.logs import rank_problems
-from titan_trainer.param_groups import group_preflight_problems
-from titan_trainer.resume_check import resume_problems, resumed_checkpoint
+from titan_trainer.param_grouping import model_names, unmatched_group_problems
 
 
 @dataclass
@@ -46,12 +49,13 @@ def preflight(
     flavor's vocabulary size instead. With `open_datasets` (once per job, not in a dry run)
     each dataset's first document is read too: a hub dataset out of reach stops the job here.
     """
-    import titan_parallel
-
+    model = find_model(config)  # the family, found by name once for every check
     # The tokenizer first, so that the config checks read the model the run will train.
-    vocab_size, tokenizer_found, tokenizer_notes = tokenizer_problems(config, dry_run=dry_run)
+    vocab_size, tokenizer_found, tokenizer_notes = tokenizer_problems(
+        config, model[0], dry_run=dry_run
+    )
     try:
-        layout = check_config(config, world_size, vocab_size)
+        layout = check_config(config, world_size, vocab_size, model=model)
     except ConfigError as e:
         return Preflight(e.problems, [], 0, None)
     problems = rank_problems(config.logging, world_size)
@@ -67,12 +71,11 @@ def preflight(
     notes = tokenizer_notes
     problems += tokenizer_found
     problems += dataset_problems(config, notes, open_datasets=open_datasets)
-    spec = resolve(plugins.MODELS, config.model.name)
-    mtp = mtp_problems(config, spec)
+    mtp = mtp_problems(config, layout.spec)
     if mtp:  # the checks below build the model
         return Preflight(problems + mtp, notes, vocab_size, layout)
     problems += _pipeline_problems(config, layout, notes)
-    store = storage_problems(config.checkpoint, config.job.dump_folder)
+    store = store_problems(config)
     if store:  # the checks below read the checkpoints there
         return Preflight(problems + store, notes, vocab_size, layout)
     problems += _param_group_problems(config, layout)
@@ -81,7 +84,7 @@ def preflight(
     problems += _context_parallel_problems(config, layout)
     if not dry_run:
         problems += fault_tolerance_problems(config)
-    space = _checkpoint_space_problems(config, layout, notes)
+    space = space_problems(config, layout, notes)
     if dry_run:  # the simulation goes on; the verdict says a launch from here would stop
         return Preflight(problems, notes, vocab_size, layout, here=space)
     return Preflight(problems + space, notes, vocab_size, layout)
@@ -96,8 +99,6 @@ def preflight_problems(
 
 
 def _pipeline_problems(config: JobConfig, layout: Layout, notes: list[str]) -> list[str]:
-    import titan_parallel
-
     p = config.parallelism
     if not layout.dims.pp_enabled:
         default = type(p)().pipeline_parallel_schedule
@@ -128,30 +129,41 @@ def _pipeline_problems(config: JobConfig, layout: Layout, notes: list[str]) -> l
 def _param_group_problems(config: JobConfig, layout: Layout) -> list[str]:
     """[[optimizer.param_groups]] against the whole model (every pipeline stage's names), and
     against the groups of the checkpoint a resume loads."""
-    if not config.optimizer.param_groups and resumed_checkpoint(config) is None:
+    if not config.optimizer.param_groups and resume_point(config) is None:
         return []
     return group_preflight_problems(config, layout.meta_model())
 
 
+def group_preflight_problems(config: JobConfig, model: nn.Module) -> list[str]:
+    """The checks that need the whole model (`model`, on the meta device, before any split):
+    every group takes a parameter, and a resume finds the groups its checkpoint has."""
+    problems = []
+    if config.optimizer.param_groups:
+        names = [name for name, _ in model_names([model])]
+        problems += unmatched_group_problems(config.optimizer, names)
+    return problems + resume_group_problems(config, model)
+
+
 def _attention_problems(config: JobConfig, layout: Layout) -> list[str]:
-    """block_causal needs a model whose forward takes `document_ids`, and a chosen
-    `block_causal_impl` a model that has the attribute."""
+    """block_causal needs a family whose forward takes `document_ids`, and a chosen
+    `block_causal_impl` one that chooses it (`ModelFeatures`)."""
     if config.model.attn_mask_type != "block_causal":
         return []
-    model = layout.meta_model()
-    if "document_ids" not in inspect.signature(model.forward).parameters:
+    features = layout.spec.features
+    kind = type(layout.meta_model()).__name__  # the class the messages name
+    if not features.document_ids:
         return [
             f"[model] attn_mask_type = 'block_causal' needs a model whose forward takes"
-            f" `document_ids`, and {config.model.name}'s ({type(model).__name__}) does not\nuse"
+            f" `document_ids`, and {config.model.name}'s ({kind}) does not\nuse"
             " attn_mask_type = 'causal', or add document_ids to the model (see titan-models'"
             " titan_models.attention)"
         ]
     impl = config.model.block_causal_impl
-    if impl == "auto" or hasattr(model, "block_causal_impl"):
+    if impl == "auto" or features.block_causal_impl:
         return []
     return [
         f"[model] block_causal_impl = {impl!r} needs a model with a `block_causal_impl`"
-        f" attribute, and {config.model.name}'s ({type(model).__name__}) has none\nleave"
+        f" attribute, and {config.model.name}'s ({kind}) has none\nleave"
         " block_causal_impl = 'auto' (the model's own choice), or add the attribute (see"
         " titan-models' titan_models.block_causal)"
     ]
@@ -167,23 +179,3 @@ def _context_parallel_problems(config: JobConfig, layout: Layout) -> list[str]:
     except ValueError as e:
         return [f"[parallelism] context_parallel_degree = {layout.dims.cp}: {e}"]
     return []
-
-
-def _checkpoint_space_problems(config: JobConfig, layout: Layout, notes: list[str]) -> list[str]:
-    """Whether the run's checkpoints fit on the disk of their folder: the checkpointer's
-    `check_space`, given the bytes of the state it saves, counted from the model's shapes on
-    the meta device (parameters as built, the optimizer's copies in float32 units)."""
-    ckpt = config.checkpoint
-    if not ckpt.enable or ckpt.create_seed_checkpoint:
-        return []
-    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    params = list(layout.meta_model().parameters())
-    state_bytes = sum(p.numel() * p.element_size() for p in params) + int(
-        sum(p.numel() for p in params) * 4 * optimizer_state_copies(config.optimizer)
-    )
-    problems, note = factory.check_space(
-        ckpt, config.job.dump_folder, state_bytes, config.training.steps
-    )
-    if note:
-        notes.append(note)
-    return problems

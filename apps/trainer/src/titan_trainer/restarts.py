@@ -20,7 +20,7 @@ def note_torchrun_restart(run: Run, loaded: int | None) -> None:
     if not allowed:
         return
     notice = restart_notice(
-        allowed, run.checkpointer is not None, run.coordinator.receives_peer_state
+        allowed, run.checkpoints.plan.needs_checkpointer, run.coordinator.receives_peer_state
     )
     if notice is not None:
         log.log(*notice)

@@ -1,5 +1,6 @@
-"""What one training run holds (`Run`, built once by `titan_trainer.train.prepare`), its progress
-as the checkpoint keeps it (`TrainState`) and what it returns (`TrainResult`)."""
+"""What one training run holds (`Run`, built once by `titan_trainer.train.prepare` from named
+parts: the model, the data, the optimization, the checkpoints), its progress as the checkpoint
+keeps it (`TrainState`) and what it returns (`TrainResult`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titan_core import (
-    Checkpointer,
     Converter,
     DataSpec,
     DistInfo,
@@ -21,9 +22,12 @@ from titan_core import (
     StatefulLoader,
     Tokenizer,
 )
+from titan_trainer.batch import BatchShape
+from titan_trainer.checkpointing.saving import RunCheckpoints
 from titan_trainer.config import JobConfig
+from titan_trainer.layout import Layout
 from titan_trainer.lr_schedule import LRSchedule
-from titan_trainer.parallel import ParallelRuntime
+from titan_trainer.runtime import ParallelRuntime
 from titan_trainer.step import ALONE, StepCoordinator
 
 
@@ -52,8 +56,6 @@ class TrainState:
 
 def shared_run_id(label: str = "") -> str:
     """A new run id, rank 0's on every rank (any rank's copy may be the one a checkpoint keeps)."""
-    import torch.distributed as dist
-
     run_id = [new_run_id(label)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(run_id, src=0)
@@ -86,25 +88,58 @@ class TrainResult:
 
 
 @dataclass
+class RunModel:
+    """The model as this rank trains it."""
+
+    runtime: ParallelRuntime
+    """How its parts were parallelized, and how a microbatch runs through them."""
+    converters: list[Converter]
+    """Float8 and friends, whose hooks run after each optimizer step."""
+    parts: list[nn.Module]
+    """This rank's parts (pipeline stages), parallelized."""
+
+
+@dataclass
+class RunData:
+    """Where the run's batches come from."""
+
+    spec: DataSpec
+    """The data plugin (validation builds its own loader with it)."""
+    tokenizer: Tokenizer
+    loader: StatefulLoader
+
+
+@dataclass
+class Optimization:
+    """What steps the weights."""
+
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRSchedule
+
+
+@dataclass
 class Run:
-    """Everything one training run holds, built once by `prepare`."""
+    """Everything one training run holds, built once by `prepare`, in named parts."""
 
     config: JobConfig
     info: DistInfo
-    dims: ParallelDims
-    runtime: ParallelRuntime
-    data: DataSpec
-    tokenizer: Tokenizer
-    loader: StatefulLoader
-    converters: list[Converter]
-    parts: list[nn.Module]
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: LRSchedule
+    layout: Layout
+    """The dims, the batch and the model family, resolved once."""
+    model: RunModel
+    data: RunData
+    optimization: Optimization
     state: TrainState
-    checkpointer: Checkpointer | None
-    """None when no checkpointing is asked for."""
+    checkpoints: RunCheckpoints
     coordinator: StepCoordinator = ALONE
     """How the steps meet other replica groups ([fault_tolerance]); the plain one does nothing."""
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.layout.dims
+
+    @property
+    def batch(self) -> BatchShape:
+        return self.layout.batch
 
     @property
     def dump(self) -> str:

@@ -13,6 +13,8 @@ import difflib
 import tomllib
 from pathlib import Path
 
+from titan_core.config import ConfigError
+
 _PACKAGE = Path(__file__).resolve().parent
 LAUNCH_SCRIPTS = ("run_train.sh", "scripts/multinode.sbatch")
 
@@ -48,8 +50,6 @@ def find_config_file(given: str) -> Path:
     )
     if names_a_shipped_one and name in configs:
         return configs[name]
-    from titan_core import ConfigError  # imports torch: only on the way to an error
-
     close = difflib.get_close_matches(name, list(configs), n=1, cutoff=0.6)
     hint = f"\ndid you mean {close[0]}?" if close else ""
     raise ConfigError(

@@ -14,7 +14,7 @@ from torch import nn
 
 from titan_trainer.guards import StepGuard
 from titan_trainer.metrics import StepTimer
-from titan_trainer.parallel import ParallelRuntime
+from titan_trainer.runtime import ParallelRuntime
 
 
 class StepCoordinator:
@@ -121,13 +121,6 @@ def train_step(
     if committed and guard.before_step(step, loss, grad_norm, local_loss=total):
         optimizer.step()
     return StepOutcome(loss, grad_norm, committed)
-
-
-def accumulation_steps(config, dims) -> int:
-    """Microbatches per optimizer step that `training.global_batch_size` asks for."""
-    if config.training.global_batch_size == -1:
-        return 1
-    return config.training.global_batch_size // (config.training.local_batch_size * dims.dp_degree)
 
 
 def pipeline_microbatches(runtime: ParallelRuntime) -> int:

@@ -1,7 +1,7 @@
 """How a run stops: a SIGTERM (preemption, or torchrun stopping the ranks) asks for a checkpoint
-and a clean stop at the end of the step; the checkpoints that are due are saved; and at the end,
-whatever ended the run, its pieces are closed in an order that keeps the run's own error the
-one reported."""
+and a clean stop at the end of the step, which every rank reaches at the same step; and at the
+end, whatever ended the run, its pieces are closed in an order that keeps the run's own error
+the one reported. The checkpoint saved on the way is `titan_trainer.checkpointing`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from titan_core import get_logger
-from titan_trainer.run import Run, TrainResult
+from titan_trainer.run import Run
 
 log = get_logger("train")
 
@@ -100,79 +100,9 @@ class StopAgreement:
         self._work = None
 
 
-def save_if_due(run: Run, *, last: bool, preempted: bool) -> None:
-    """The checkpointer decides whether a step is due; a preemption save is a full, resumable
-    one, never the last step's export."""
-    saving = run.checkpointer is not None and run.config.checkpoint.enable
-    if preempted:
-        if saving:
-            log.warning("SIGTERM: saving a full checkpoint at step %d and stopping", run.state.step)
-        else:
-            log.warning(
-                "SIGTERM: stopping at step %d without a checkpoint (checkpoint.enable is false)",
-                run.state.step,
-            )
-    if saving:
-        run.checkpointer.save(run.state.step, last_step=last, force=preempted and not last)
-
-
-def after_interrupt(ckpt, step: int, start_step: int) -> str:
-    """What Ctrl-C after `step` leaves to resume from, for a run that started at `start_step`
-    with `ckpt` ([checkpoint]): the newest checkpoint it saved (every `interval` steps; one
-    in flight is committed as the run closes), else the one it resumed from, else nothing,
-    and then its steps are lost."""
-    if not ckpt.enable:
-        return (
-            f"Ctrl-C: stopped at step {step} without a checkpoint (checkpoint.enable is false):"
-            f" a rerun starts again at step 0"
-        )
-    saved = step - step % ckpt.interval
-    if saved > start_step:
-        return (
-            f"Ctrl-C: stopped at step {step}; a rerun resumes from the checkpoint of step {saved}"
-        )
-    if start_step > 0:
-        return (
-            f"Ctrl-C: stopped at step {step}, before this run's first checkpoint (due at step"
-            f" {saved + ckpt.interval}): a rerun resumes from step {start_step}, where this"
-            " run started"
-        )
-    return (
-        f"Ctrl-C: stopped at step {step}, before the first checkpoint (due at step"
-        f" {ckpt.interval}, [checkpoint] interval): there is none to resume from, and a rerun"
-        " starts again at step 0"
-    )
-
-
-def write_seed_checkpoint(run: Run) -> TrainResult:
-    run.checkpointer.save(0, last_step=True)
-    run.checkpointer.close()
-    log.info("seed checkpoint written; start training without --checkpoint.create_seed_checkpoint")
-    return TrainResult(0, 0, [], False)
-
-
 def close_run(run: Run, *, after_error: bool) -> None:
     """The run's end, however it came: the checkpointer's in-flight save finished, the loader's
     worker processes stopped (before the interpreter exits), the coordination ended."""
-    close_checkpointer(run.checkpointer, after_error=after_error)
-    run.loader.close()
+    run.checkpoints.close(after_error=after_error)
+    run.data.loader.close()
     run.coordinator.close()
-
-
-def close_checkpointer(checkpointer, after_error: bool) -> None:
-    """Finish the checkpointer's in-flight save. After an error a peer may be gone, and closing
-    (it may wait on the other ranks) can fail too: that failure is logged, not raised, so that
-    the error reported is the one that ended the run."""
-    if checkpointer is None:
-        return
-    if not after_error:
-        checkpointer.close()
-        return
-    try:
-        checkpointer.close()
-    except Exception as e:  # the run's own error is already on its way out
-        log.warning(
-            "the checkpointer could not finish after the error (%s); the newest complete"
-            " checkpoint is unaffected",
-            str(e).splitlines()[0][:200],
-        )

@@ -12,12 +12,12 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from titan_core.versions import add_version_flag
+
 
 def tool_parser(prog: str, description: str | None) -> argparse.ArgumentParser:
     """The parser of command `prog`, its `--help` opening with `description` as written, with
     `--version`."""
-    from titan_core.versions import add_version_flag
-
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )

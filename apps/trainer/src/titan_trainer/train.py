@@ -5,15 +5,16 @@
     optimizer and schedule -> checkpointer -> weights (from a checkpoint, or the one
     initialisation) -> steps
 
-Every concrete piece (model family, data package, checkpointer, converters) is found by name
-through titan-core's plugin registry; this file only composes them. `prepare` builds a `Run`
-(everything a run holds, built once); `run_steps` trains it.
+Every concrete piece (model family, data package, checkpointer, converters, metric sinks) is
+found by name through titan-core's plugin registry; this file only composes them. `prepare`
+builds a `Run` (everything a run holds, built once, in named parts); `run_steps` trains it.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import tomllib
 
 import torch
 
@@ -21,7 +22,6 @@ from titan_core import (
     ConfigError,
     DistInfo,
     ParallelDims,
-    build_hf_adapter,
     dp_coordinates,
     get_logger,
     init_distributed,
@@ -34,7 +34,10 @@ from titan_core import (
 from titan_core.distributed import destroy_distributed
 from titan_trainer import memory_check
 from titan_trainer.attention import apply_attention_backend
-from titan_trainer.checks import block_causal_device_problem, optimizer_state_copies
+from titan_trainer.checkpointing.build import build_checkpointer
+from titan_trainer.checkpointing.plan import CheckpointPlan
+from titan_trainer.checkpointing.saving import RunCheckpoints
+from titan_trainer.checks import block_causal_device_problem
 from titan_trainer.comm import (
     dump_trace,
     report_collective_failures,
@@ -49,22 +52,25 @@ from titan_trainer.layout import Layout, layout_text
 from titan_trainer.logs import rank_logging
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.lr_schedule import build_lr_scheduler
-from titan_trainer.model import build_converters, build_model, hf_model_args
-from titan_trainer.optimizer import build_optimizer, current_lr
-from titan_trainer.parallel import build_parallel_runtime
+from titan_trainer.model import build_converters, build_model
+from titan_trainer.optimizer import build_optimizer, current_lr, optimizer_state_copies
 from titan_trainer.precision import compute_dtype
 from titan_trainer.profiling import maybe_memory_snapshot, maybe_profile
 from titan_trainer.restarts import note_torchrun_restart
-from titan_trainer.run import Run, TrainResult, TrainState, run_label, shared_run_id
-from titan_trainer.step import accumulation_steps, train_step
-from titan_trainer.stopping import (
-    StopAgreement,
-    StopRequest,
-    after_interrupt,
-    close_run,
-    save_if_due,
-    write_seed_checkpoint,
+from titan_trainer.run import (
+    Optimization,
+    Run,
+    RunData,
+    RunModel,
+    TrainResult,
+    TrainState,
+    run_label,
+    shared_run_id,
 )
+from titan_trainer.runtime import build_parallel_runtime
+from titan_trainer.shipped import find_config_file
+from titan_trainer.step import train_step
+from titan_trainer.stopping import StopAgreement, StopRequest, close_run
 from titan_trainer.validate import Validator
 from titan_trainer.window import MetricWindow, log_window, open_window, validate
 
@@ -92,8 +98,9 @@ def train(config: JobConfig, layout: Layout | None = None) -> TrainResult:
         try:
             with rank_logging(config.logging, config.job.dump_folder, info.rank, info.world_size):
                 run = prepare(config, info, layout)
-                if config.checkpoint.create_seed_checkpoint:
-                    return write_seed_checkpoint(run)
+                if run.checkpoints.plan.seed:
+                    run.checkpoints.write_seed()
+                    return TrainResult(0, 0, [], False)
                 return run_steps(run)
         finally:
             if lock is not None:
@@ -113,7 +120,7 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
 
     runtime = build_parallel_runtime(config, dims, info.device, dtype, seed, cross_entropy_loss)
     if config.model.attn_mask_type == "block_causal":  # documents start at BOS
-        problem = block_causal_device_problem(config, info.device)
+        problem = block_causal_device_problem(config, info.device, layout.spec)
         if problem:  # before anything is allocated: never train with a wrong mask
             raise ConfigError(problem)
         runtime.document_start_id = tokenizer.bos_id
@@ -126,8 +133,9 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
     apply_attention_backend(config, parts, dims, info.device, runtime.dtype)
     check_memory(config, parts, dims, tokenizer.vocab_size, info.device, runtime.dtype, spare)
     runtime.materialize(parts)
+    model = RunModel(runtime, converters, parts)
 
-    loader = build_loader(config, data, tokenizer, dims)
+    loader = build_loader(config, data, tokenizer, dims, layout.batch)
     optimizer = build_optimizer(
         parts, config.optimizer, total_steps=config.training.steps, dims=dims
     )
@@ -147,12 +155,21 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
         **coordinator.checkpoint_states(),
     }
     checkpointer = build_checkpointer(
-        config, dims, states=states, config_toml=resolved_toml, tokenizer=tokenizer
+        config, dims, layout.spec, states=states, config_toml=resolved_toml, tokenizer=tokenizer
     )
     run = Run(
-        config, info, dims, runtime, data, tokenizer, loader, converters, parts, optimizer,
-        lr_scheduler, state, checkpointer, coordinator,
-    )  # fmt: skip
+        config=config,
+        info=info,
+        layout=layout,
+        model=model,
+        data=RunData(data, tokenizer, loader),
+        optimization=Optimization(optimizer, lr_scheduler),
+        state=state,
+        checkpoints=RunCheckpoints(
+            CheckpointPlan.of(config.checkpoint), checkpointer, config.checkpoint
+        ),
+        coordinator=coordinator,
+    )
     restore_or_initialise(run)
     coordinator.after_restore()
     return run
@@ -160,7 +177,7 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
 
 def check_memory(
     config: JobConfig, parts, dims: ParallelDims, vocab_size: int, device, dtype, model=None
-):
+) -> None:
     """Before anything is allocated: stop a job whose state and activations cannot fit in the
     memory this rank has free (on a CPU, with the other ranks on this host), warn when they
     may not. `model`: a meta-device copy of the full model for the activations."""
@@ -215,10 +232,6 @@ def run_title(config: JobConfig) -> str:
 def _toml_dataset(config_file: str | None, default: str) -> str | None:
     """The `[training] dataset` the job's TOML trains on (`default` when it names none), or
     None without a TOML."""
-    import tomllib
-
-    from titan_trainer.shipped import find_config_file
-
     if not config_file:
         return None
     try:
@@ -242,47 +255,12 @@ def write_resolved_config(config: JobConfig, rank: int) -> str:
     return resolved
 
 
-def build_checkpointer(
-    config: JobConfig, dims: ParallelDims, *, states: dict, config_toml: str, tokenizer
-):
-    """The checkpointer plugin (`checkpoint.checkpointer`) over `states`, or None when the run
-    neither saves nor loads."""
-    ckpt = config.checkpoint
-    if not (ckpt.enable or ckpt.create_seed_checkpoint or ckpt.initial_load_path):
-        return None
-    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    # Hugging Face import/export (initial_load_in_hf, last_save_in_hf) needs the weight names;
-    # its config.json the model's own context length and the tokenizer's BOS/EOS.
-    spec = resolve(plugins.MODELS, config.model.name)
-    hf_adapter = (
-        build_hf_adapter(
-            spec,
-            hf_model_args(spec, config, tokenizer.vocab_size),
-            bos_token_id=tokenizer.bos_id,
-            eos_token_id=tokenizer.eos_id,
-        )
-        if spec.hf_adapter
-        else None
-    )
-    return factory(
-        ckpt,
-        states=states,
-        dump_folder=config.job.dump_folder,
-        dims=dims,
-        config_toml=config_toml,
-        dp_rank=dp_coordinates(dims)[0],
-        hf_adapter=hf_adapter,
-    )
-
-
 def restore_or_initialise(run: Run) -> None:
     """The weights come from the newest complete checkpoint (or `initial_load_path`) when there
     is one; otherwise from the one initialisation, a function of the seed and each parameter's
     name. Buffers (rotary tables) are always rebuilt."""
-    loaded = None
-    if run.checkpointer is not None and not run.config.checkpoint.create_seed_checkpoint:
-        loaded = run.checkpointer.load(run.config.checkpoint.load_step)
-    run.runtime.init_weights(run.parts, parameters=loaded is None)
+    loaded = run.checkpoints.load()
+    run.model.runtime.init_weights(run.model.parts, parameters=loaded is None)
     if loaded:  # step 0 is a seed checkpoint: nothing to resume
         log.info(
             "resumed at step %d (%s tokens seen)", run.state.step, f"{run.state.tokens_seen:,}"
@@ -293,12 +271,13 @@ def restore_or_initialise(run: Run) -> None:
 def run_steps(run: Run) -> TrainResult:
     """Train from the current step to `training.steps`: each step, then what is due after it
     (metrics, validation, profiling, checkpoint), until the end or a stop request."""
-    config, state = run.config, run.state
-    accum = accumulation_steps(config, run.dims)
-    window = open_window(run, accum)
+    config, state, model = run.config, run.state, run.model
+    accum = run.batch.accumulation
+    window = open_window(run)
     validator = build_validator(run) if config.validation.enable else None
-    guard = StepGuard(run.optimizer, config.training.max_nonfinite_in_a_row)
-    batches = run.coordinator.batches(iter(run.loader), accum)
+    optimizer = run.optimization.optimizer
+    guard = StepGuard(optimizer, config.training.max_nonfinite_in_a_row)
+    batches = run.coordinator.batches(iter(run.data.loader), accum)
     start_step = state.step
     agreement = StopAgreement(run.info.world_size)
     stopped_by, failed = None, False
@@ -322,9 +301,9 @@ def run_steps(run: Run) -> TrainResult:
                 state.step += 1
                 # This step's lr comes from the schedule and the step alone, never from what a
                 # loaded checkpoint left in the optimizer's param_groups.
-                run.lr_scheduler.apply()
+                run.optimization.lr_scheduler.apply()
                 outcome = train_step(
-                    run.runtime, run.parts, run.optimizer, batches, accum, window.timer, config,
+                    model.runtime, model.parts, optimizer, batches, accum, window.timer, config,
                     guard, state.step, coordinator=run.coordinator,
                 )  # fmt: skip
                 stands = run.coordinator.settle(state, outcome.committed)
@@ -332,7 +311,7 @@ def run_steps(run: Run) -> TrainResult:
                 if not stands:
                     if stopping:  # discarded, then preempted: save the step before it
                         stopped_by = "SIGTERM"
-                        save_if_due(run, last=False, preempted=True)
+                        run.checkpoints.save_if_due(state.step, last=False, preempted=True)
                         break
                     continue  # discarded everywhere: attempted again
                 after_step(run, window, first=state.step == start_step + 1)
@@ -350,13 +329,13 @@ def run_steps(run: Run) -> TrainResult:
                 if stopping:
                     state.losses.extend(row[1] for row in guard.read())
                     stopped_by = "SIGTERM"
-                save_if_due(run, last=last, preempted=stopped_by is not None)
+                run.checkpoints.save_if_due(state.step, last=last, preempted=stopped_by is not None)
                 if stopped_by is not None:
                     break
                 if state.step % config.training.gc_freq == 0:
                     gc.collect(1)
     except KeyboardInterrupt:
-        log.warning(after_interrupt(config.checkpoint, state.step, start_step))
+        log.warning(run.checkpoints.after_interrupt(state.step, start_step))
         stopped_by = "SIGINT"
     except BaseException:
         failed = True
@@ -373,17 +352,16 @@ def run_steps(run: Run) -> TrainResult:
 def after_step(run: Run, window: MetricWindow, *, first: bool) -> None:
     """What follows a step that stands: the schedule moves on, the converters' hooks run, the
     step's tokens are counted (over every data-parallel rank of every replica group)."""
-    window.lr = current_lr(run.optimizer)  # the lr this step ran at
-    run.lr_scheduler.step()
+    window.lr = current_lr(run.optimization.optimizer)  # the lr this step ran at
+    run.optimization.lr_scheduler.step()
     if first:  # compiled and warmed up: the tight timeout
         start_training_timeout(run.config.comm, run.state.step, run.info.world_size)
-    for converter in run.converters:
-        for part in run.parts:
+    for converter in run.model.converters:
+        for part in run.model.parts:
             converter.post_optimizer_hook(part)
     if window.experts:
         window.experts.after_step()
-    t = run.config.training
-    tokens = t.local_batch_size * t.seq_len * accumulation_steps(run.config, run.dims)
+    tokens = run.batch.rank_tokens
     run.state.tokens_seen += tokens * run.dims.dp_degree * run.coordinator.groups()
     window.timer.tokens += tokens
     window.timer.steps += 1
@@ -393,14 +371,11 @@ def build_validator(run: Run) -> Validator:
     dp_rank, dp_world = dp_coordinates(run.dims)
     return Validator(
         run.config.validation,
-        run.data,
+        run.data.spec,
         run.config.training.data_plugin,
-        run.tokenizer,
+        run.data.tokenizer,
         dp_rank,
         dp_world,
         run.config.training.seq_len,
         run.config.training.bad_rows,
     )
-
-
-# ----------------------------------------------------------------------------- small helpers

@@ -33,13 +33,11 @@ class MetricWindow:
     """The learning rate the last step ran at (the optimizer holds the next step's)."""
 
 
-def open_window(run: Run, accum: int) -> MetricWindow:
+def open_window(run: Run) -> MetricWindow:
     """The metric writers, the step timer, the memory monitor and the device's peak (logged
     once, with the microbatches per step)."""
-    config = run.config
-    peak = peak_flops(
-        run.info.device, run.runtime.dtype, override_tflops=config.metrics.peak_tflops
-    )
+    config, runtime, accum = run.config, run.model.runtime, run.batch.accumulation
+    peak = peak_flops(run.info.device, runtime.dtype, override_tflops=config.metrics.peak_tflops)
     log.info("peak %s; %d microbatch(es) per step", peak.describe(), accum)
     return MetricWindow(
         MetricsLogger(
@@ -52,14 +50,15 @@ def open_window(run: Run, accum: int) -> MetricWindow:
             run_config=config_to_dict(config),
             plots_folder=config.metrics.save_plots_folder,
             run_id=run.state.run_id,
+            section=config.metrics,
         ),
         StepTimer(),
         MemoryMonitor(run.info.device),
         peak.flops,
-        run.runtime.flops_per_token,
+        runtime.flops_per_token,
         # Each forward adds its auxiliary balance loss: weigh it by the forwards per step
         # (accumulated microbatches, and the pipeline's microbatches within each).
-        ExpertLoad(run.parts, run.dims, accum * pipeline_microbatches(run.runtime)),
+        ExpertLoad(run.model.parts, run.dims, accum * pipeline_microbatches(runtime)),
     )
 
 
@@ -70,8 +69,9 @@ def log_window(run: Run, window: MetricWindow, guard: StepGuard) -> None:
     run.state.losses.extend(row[1] for row in rows)
     _, loss, grad_norm = rows[-1]
     values = window_metrics(window, loss, grad_norm, run.dims)
-    values["skipped_rows"] = skipped_rows_total(run.loader, run.dims.mesh("dp"), run.info.device)
-    by_source = run.loader.tokens_by_source
+    loader = run.data.loader
+    values["skipped_rows"] = skipped_rows_total(loader, run.dims.mesh("dp"), run.info.device)
+    by_source = loader.tokens_by_source
     if len(by_source) > 1:  # a mixture: tokens the whole job took from each
         values.update({f"tokens/{label}": float(n) for label, n in by_source.items()})
     values["skipped_steps"] = guard.skipped
@@ -108,7 +108,7 @@ def window_metrics(window: MetricWindow, loss, grad_norm, dims: ParallelDims) ->
 
 
 def validate(run: Run, window: MetricWindow, validator: Validator) -> None:
-    loss = validator.run(run.runtime, run.parts)
+    loss = validator.run(run.model.runtime, run.model.parts)
     log.info("step %4d | validation loss %.4f", run.state.step, loss)
     window.metrics.log_scalars(run.state.step, {"validation_loss": loss})
     window.timer.reset()  # validation time is not training throughput

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from titan_ckpt.layout import list_checkpoints
     from titan_ckpt.manager import CheckpointManager
     from titan_ckpt.plugin import build_checkpointer
-    from titan_ckpt.preflight import check_loadable, check_space
+    from titan_ckpt.preflight import check_loadable, check_space, resume_point
     from titan_ckpt.safe_read import UnsafeCheckpointError
     from titan_ckpt.states import ModelState, OptimizerState
     from titan_ckpt.storage import StorageUnavailableError
@@ -36,6 +36,7 @@ __version__ = importlib.metadata.version("titan-llm-ckpt")  # the pyproject's ve
 __all__ = [
     "check_loadable",
     "check_space",
+    "resume_point",
     "Checkpoint",
     "CheckpointLoadError",
     "CheckpointManager",

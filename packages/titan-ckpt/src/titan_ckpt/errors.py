@@ -54,31 +54,28 @@ def failure_reason(error: BaseException) -> str | None:
     return f"{cause.strerror or os.strerror(cause.errno)}{where}"
 
 
-def corrupt_data(error: BaseException) -> str | None:
-    """What a read found corrupt (CorruptDataError on any rank), or None."""
+def _raised(error: BaseException, kind: type[BaseException]) -> str | None:
+    """The message of the first `kind` in any rank's failure or its causes, or None."""
     for failure in _failures(error):
         seen = set()
         cause: BaseException | None = failure
         while cause is not None and id(cause) not in seen:
             seen.add(id(cause))
-            if isinstance(cause, CorruptDataError):
+            if isinstance(cause, kind):
                 return str(cause)
             cause = cause.__cause__ or cause.__context__
     return None
+
+
+def corrupt_data(error: BaseException) -> str | None:
+    """What a read found corrupt (CorruptDataError on any rank), or None."""
+    return _raised(error, CorruptDataError)
 
 
 def state_mismatch(error: BaseException) -> str | None:
     """What a state refused to load because it was saved under other settings
     (StateMismatchError on any rank), or None."""
-    for failure in _failures(error):
-        seen = set()
-        cause: BaseException | None = failure
-        while cause is not None and id(cause) not in seen:
-            seen.add(id(cause))
-            if isinstance(cause, StateMismatchError):
-                return str(cause)
-            cause = cause.__cause__ or cause.__context__
-    return None
+    return _raised(error, StateMismatchError)
 
 
 def first_line(error: BaseException) -> str:

@@ -7,16 +7,16 @@ from typing import Any
 
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.manager import CheckpointManager
-from titan_ckpt.preflight import check_loadable, check_space
+from titan_ckpt.preflight import check_loadable, check_space, resume_point
 from titan_ckpt.storage import join
 from titan_core import dp_coordinates
-from titan_core.protocols import Checkpointer, CheckpointerPlugin, HFAdapter
+from titan_core.protocols import Checkpointer, CheckpointerPlugin, HFAdapter, ResumePoint
 
 
 class DCPCheckpointerFactory(CheckpointerPlugin):
     """The `dcp` checkpointer: builds a `CheckpointManager`; checks a checkpoint against a
     layout offline (`check_loadable`, the trainer's dry run) and the disk of its folder
-    (`check_space`, before training)."""
+    (`check_space`, before training); finds the checkpoint a resume loads (`resume_point`)."""
 
     def __call__(self, config: Checkpoint, **kwargs: Any) -> Checkpointer:
         return _build_checkpointer(config, **kwargs)
@@ -30,6 +30,9 @@ class DCPCheckpointerFactory(CheckpointerPlugin):
         self, config: Any, dump_folder: str, state_bytes: int, steps: int
     ) -> tuple[list[str], str | None]:
         return check_space(config, dump_folder, state_bytes, steps)
+
+    def resume_point(self, config: Any, dump_folder: str) -> ResumePoint | None:
+        return resume_point(config, dump_folder)
 
 
 def _build_checkpointer(
@@ -67,4 +70,5 @@ def _build_checkpointer(
 
 build_checkpointer = DCPCheckpointerFactory()
 """The `titan.checkpointers` entry point `dcp`: `build_checkpointer(config, states=...,
-dump_folder=...)`, `build_checkpointer.check_loadable(...)`, `build_checkpointer.check_space(...)`."""
+dump_folder=...)`, `build_checkpointer.check_loadable(...)`, `build_checkpointer.check_space(...)`,
+`build_checkpointer.resume_point(...)`."""

@@ -7,6 +7,9 @@ holds. DCP reshards between any two layouts, so names and global shapes are all 
 
 `check_space`: will the job's checkpoints fit on the disk of their folder? The caller counts
 the bytes of the saved state from the model's and optimizer's shapes, without memory.
+
+`resume_point`: which checkpoint will the job resume from, and what was it saved with (the
+run's config, its data-parallel size)? A trainer checks its own settings against them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from titan_ckpt.dcp_io import checkpoint_keys
 from titan_ckpt.hf_check import safetensors_problems
 from titan_ckpt.storage import RemotePath, as_path, is_url, join, reach_problem
 from titan_core.messages import shortlist
+from titan_core.protocols import ResumePoint
 
 
 def checkpoint_folder(config: Checkpoint, dump_folder: str) -> Path | RemotePath:
@@ -45,6 +49,43 @@ def storage_problems(config: Checkpoint, dump_folder: str) -> list[str]:
         url = str(as_path(config.initial_load_path))
         problems.append(reach_problem(url, purpose="[checkpoint] initial_load_path"))
     return [p for p in problems if p is not None]
+
+
+def resume_point(config: Checkpoint, dump_folder: str) -> ResumePoint | None:
+    """The checkpoint whose state a run with `config` loads (a full one: model-only saves do
+    not resume a run): the newest committed one in its folder (`load_step`'s when set), else
+    `initial_load_path` when it resumes a whole run (not model-only, not Hugging Face); None
+    when there is none. An unreadable commit marker is passed over (the load reports it)."""
+    full = []
+    for step, path in layout.committed(checkpoint_folder(config, dump_folder)):
+        try:
+            if not layout.read_commit(path).get("model_only"):
+                full.append((step, path))
+        except (OSError, ValueError):
+            continue
+    if config.load_step != -1:
+        full = [(s, p) for s, p in full if s == config.load_step]
+    if full:
+        return _resume_point(full[-1][1])
+    if config.initial_load_path and not (
+        config.initial_load_model_only or config.initial_load_in_hf
+    ):
+        return _resume_point(as_path(config.initial_load_path))
+    return None
+
+
+def _resume_point(path: Path | RemotePath) -> ResumePoint:
+    """What `path` was saved with: its `config.toml` and its marker's data-parallel size."""
+    try:
+        saved = path / "config.toml"
+        config_toml = saved.read_text() if saved.is_file() else None
+    except OSError:
+        config_toml = None
+    try:
+        dp = int(layout.read_commit(path).get("dp_world_size") or 1)
+    except (OSError, ValueError, TypeError):
+        dp = None
+    return ResumePoint(str(path), config_toml, dp)
 
 
 def check_loadable(

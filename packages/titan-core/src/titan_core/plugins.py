@@ -12,7 +12,8 @@ DATA = "titan.data"
 CHECKPOINTERS = "titan.checkpointers"
 CONVERTERS = "titan.converters"
 OPTIMIZERS = "titan.optimizers"
-GROUPS = (MODELS, DATA, CHECKPOINTERS, CONVERTERS, OPTIMIZERS)
+METRIC_SINKS = "titan.metric_sinks"
+GROUPS = (MODELS, DATA, CHECKPOINTERS, CONVERTERS, OPTIMIZERS, METRIC_SINKS)
 
 
 class PluginError(LookupError):

@@ -3,12 +3,18 @@ size of the debug flavors.
 
 A family's args are a frozen dataclass that subclasses `DecoderArgs`, adds its own fields,
 sets the shared fields' defaults to its flagship's (a field declared again without a docstring
-keeps this one's), and lists what is inconsistent in `problems()`.
+keeps this one's), and lists what is inconsistent in `problems()`. `DecoderArgs` has every
+member a trainer reads (`titan_core.ModelArgs`): the vocabulary and sequence length it sets,
+the experts and the multi-token-prediction depth it asks about.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # a type only: the args of a dense family need nothing of the experts
+    from titan_models.moe.args import MoEArgs
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,16 @@ class DecoderArgs:
     """Share one matrix between the token embedding and the output projection."""
     depth_init: bool = True
     """Scale the residual-writing projections by each block's depth (else by n_layers)."""
+    moe: MoEArgs | None = None
+    """The mixture of experts of the blocks the family gives experts (`Decoder.moe_args`);
+    None: every block dense."""
+    n_mtp_layers: int = 0
+    """Multi-token-prediction depth D (num_nextn_predict_layers): in training, D sequential
+    layers after the blocks predict the tokens 2..D+1 positions ahead (`titan_models.mtp`);
+    DeepSeek-V3 has 1. They are dropped for inference."""
+    block_causal_impl: Literal["auto", "dense", "flex", "varlen"] = "auto"
+    """How the block-causal mask of a forward with `document_ids` is computed (see
+    `titan_models.block_causal`); the trainer's `[model] block_causal_impl`."""
 
     def __post_init__(self) -> None:
         if problems := self.problems():

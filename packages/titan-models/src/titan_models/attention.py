@@ -11,7 +11,8 @@ dense / FlexAttention / variable-length implementations and `check_block_causal`
 `titan_models.block_causal`; its names are importable from here too. Every attention layer
 calls `attend(q, k, v, mask)`: SDPA `is_causal=True` without a mask, the mask's own
 implementation with one. Which SDPA kernel runs the causal case is torch's choice unless the
-layer's `sdpa_backend` names one (`titan_models.attention_backend`, measured per shape).
+layer's `sdpa_backend` names one (it is a `TakesSDPAKernel`; `titan_models.attention_backend`,
+measured per shape).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 
 from titan_core.init import ParamInit
 from titan_core.protocols import TPStyle
-from titan_models.attention_backend import SDPAChoice, run_attention
+from titan_models.attention_backend import SDPAChoice, TakesSDPAKernel, run_attention
 from titan_models.block_causal import (
     BLOCK_CAUSAL_IMPLS,
     CHECK_TOLERANCE,
@@ -75,7 +76,7 @@ def attend(
     return attend_block_causal(q, k, v, mask)
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(nn.Module, TakesSDPAKernel):
     """Llama 3's attention, built as `GroupedQueryAttention(layer_id, args)` from any args with
     `dim`, `n_heads`, `kv_heads` and `head_dim`.
 
@@ -85,10 +86,6 @@ class GroupedQueryAttention(nn.Module):
     `kv_cache` (generation) x's positions start at `start` and attend to the cached ones
     before them too; `mask` (training on packed documents) makes the attention block-causal.
     """
-
-    sdpa_backend: SDPAChoice | None = None
-    """The SDPA kernel of causal attention in training (None: torch's dispatch picks); set by
-    `titan_models.attention_backend.set_attention_backend`."""
 
     def __init__(self, layer_id: int, args) -> None:
         super().__init__()
@@ -114,6 +111,12 @@ class GroupedQueryAttention(nn.Module):
     @classmethod
     def divisible_by_tp(cls, args) -> dict[str, int]:
         return {"n_heads": args.n_heads, "n_kv_heads": args.kv_heads}
+
+    @classmethod
+    def sdpa_heads(cls, args) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head size) its causal attention runs, before tensor
+        parallel splits the heads: the shape an SDPA kernel is chosen for."""
+        return args.n_heads, args.kv_heads, args.head_dim
 
     def position(self, q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor):
         """Queries and keys `[batch, seq, heads, head_dim]` with their positions: Meta's

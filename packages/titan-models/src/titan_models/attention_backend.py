@@ -14,9 +14,9 @@ kernel of a device runs forward and backward on the exact shape, and the fastest
   heads in place if it takes them, else repeated), or the reason it cannot;
 - `choose_attention_backend(...)`: the timings of every candidate that runs, the fastest
   first (cached per shape, dtype and device);
-- `set_attention_backend(model, choice)`: every attention layer of a model (a module with an
-  `sdpa_backend` attribute, as `GroupedQueryAttention` has) runs its causal attention with it;
-  None is torch's own dispatch. A plain attribute, so it survives building on the meta device
+- `set_attention_backend(model, choice)`: every attention layer of a model (a module that
+  inherits `TakesSDPAKernel`, as `GroupedQueryAttention` does) runs its causal attention with
+  it; None is torch's own dispatch. A plain attribute, so it survives building on the meta device
   and is read when a compiled block is traced (dynamo traces `sdpa_kernel`, torch 2.11 on).
 
 Only causal attention without a mask is steered; block-causal masks keep their own
@@ -42,6 +42,7 @@ __all__ = [
     "AttentionChoice",
     "AttentionShape",
     "SDPAChoice",
+    "TakesSDPAKernel",
     "attention_candidates",
     "choose_attention_backend",
     "run_attention",
@@ -256,10 +257,19 @@ def choose_attention_backend(
     return result
 
 
+class TakesSDPAKernel:
+    """What an attention layer inherits to run its causal attention on the SDPA kernel
+    `set_attention_backend` chooses: it reads `sdpa_backend` (None: torch's dispatch picks)
+    when it attends. Declared by inheritance, so that the layers are found by what they are,
+    not by an attribute's name."""
+
+    sdpa_backend: SDPAChoice | None = None
+
+
 def set_attention_backend(model: nn.Module, choice: SDPAChoice | None) -> int:
-    """Every attention layer of `model` (a module with an `sdpa_backend` attribute) runs its
-    causal attention with `choice` (None: torch's own dispatch); returns how many layers."""
-    layers = [m for m in model.modules() if hasattr(m, "sdpa_backend")]
+    """Every attention layer of `model` (a `TakesSDPAKernel`) runs its causal attention with
+    `choice` (None: torch's own dispatch); returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, TakesSDPAKernel)]
     for layer in layers:
         layer.sdpa_backend = choice
     return len(layers)

@@ -50,8 +50,11 @@ Where new features hang: `head(h, ...)` is every step after the blocks (the fina
 output projection, the MTP layers); a feature that replaces the output projection (a fused
 linear + cross-entropy) overrides `head`. `moe_layers()` lists the mixture-of-experts layers
 the module holds (load balancing). A family whose attention takes no block-causal mask
-overrides `forward` without `document_ids`, so that the trainer refuses block_causal for it;
-`block_causal_impl` (an attribute) picks how the mask of a forward with `document_ids` runs.
+overrides `forward` without `document_ids`, and its `ModelSpec.features` say so, so that the
+trainer refuses block_causal for it; `block_causal_impl` (from the args, an attribute a caller
+may change) picks how the mask of a forward with `document_ids` runs. `sdpa_heads()` and
+`set_sdpa_backend()` are the SDPA kernel choice of a family whose attention takes one (a
+`TakesSDPAKernel`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from titan_core.init import ParamInit
 from titan_core.protocols import TPPlan
 from titan_models.args import DecoderArgs
 from titan_models.attention import GroupedQueryAttention
+from titan_models.attention_backend import SDPAChoice, TakesSDPAKernel, set_attention_backend
 from titan_models.block_causal import BlockCausalImpl, build_attention_mask
 from titan_models.decoder_block import DecoderBlock
 from titan_models.generation import KVCache
@@ -103,7 +107,8 @@ def block_init_plan(
 
 
 class Decoder(nn.Module):
-    """A decoder-only language model; satisfies `titan_core.protocols.ParallelizableModel`.
+    """A decoder-only language model; satisfies `titan_core.TrainableModel` (and so
+    `ParallelizableModel`).
 
     Build under `torch.device("meta")`, then `to_empty(device=...)` and `init_weights()`.
     `forward(tokens)` maps int64 `[batch, seq]` tokens to `[batch, seq, vocab]` logits. With
@@ -118,11 +123,11 @@ class Decoder(nn.Module):
     def __init__(self, args: DecoderArgs):
         super().__init__()
         self.args = args
-        self.block_causal_impl: BlockCausalImpl = "auto"
+        self.block_causal_impl: BlockCausalImpl = args.block_causal_impl
         """How the block-causal mask of a forward with `document_ids` is computed (`auto`,
-        `dense`, `flex`, `varlen`; see `titan_models.block_causal`). A plain attribute, set
-        after building (the trainer sets it from `[model] block_causal_impl`)."""
-        self.mtp_depth: int = getattr(args, "n_mtp_layers", 0)
+        `dense`, `flex`, `varlen`; see `titan_models.block_causal`): the args', a plain
+        attribute that may be changed after building."""
+        self.mtp_depth: int = args.n_mtp_layers
         """Multi-token-prediction layers (0: none)."""
         n = args.n_layers
         self.head_layers = tuple(str(i) for i in range(n, n + self.mtp_depth))
@@ -212,6 +217,20 @@ class Decoder(nn.Module):
     def moe_layers(self) -> list[MoE]:
         """The mixture-of-experts feed-forwards of the blocks this module holds."""
         return [m for m in self.layers.modules() if isinstance(m, MoE)]
+
+    def sdpa_heads(self) -> tuple[int, int, int]:
+        """(query heads, key/value heads, head size) of the attention whose SDPA kernel
+        `set_sdpa_backend` chooses, before tensor parallel splits the heads."""
+        if not issubclass(self.attention_class, TakesSDPAKernel):
+            raise NotImplementedError(
+                f"{type(self).__name__}'s attention ({self.attention_class.__name__}) takes no"
+                " SDPA kernel choice"
+            )
+        return self.attention_class.sdpa_heads(self.args)
+
+    def set_sdpa_backend(self, choice: SDPAChoice | None) -> int:
+        """Run causal attention on `choice` (None: torch's dispatch); how many layers took it."""
+        return set_attention_backend(self, choice)
 
     def init_buffers(self, buffer_device: torch.device | None = None) -> None:
         """Recompute the position tables on `buffer_device` (default: where they are) and

@@ -305,7 +305,7 @@ class DecoderHFAdapter:
         self._transforms = self.transforms()
         self._taker = {name: t for t in self._transforms for name in t.ours}
         self._to_hf_layer = {o: h for o, h in self.layer_names.items() if o not in self._taker}
-        n, depth = args.n_layers, getattr(args, "n_mtp_layers", 0)
+        n, depth = args.n_layers, args.n_mtp_layers
         self._mtp_layers = [str(i) for i in range(n, n + depth)]
         if depth:
             self._to_hf_layer |= MTP_NAMES

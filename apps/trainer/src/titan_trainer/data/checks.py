@@ -4,21 +4,24 @@ job, its first document read."""
 
 from __future__ import annotations
 
-from titan_core import NamesItsOption, PluginError, first_line, plugins, resolve
+from titan_core import ModelSpec, NamesItsOption, PluginError, first_line, plugins, resolve
 from titan_trainer.model import hf_import_vocab
 
 
-def tokenizer_problems(config, *, dry_run: bool) -> tuple[int | None, list[str], list[str]]:
-    """(the vocabulary size, problems, notes) of the run's tokenizer. A dry run takes a
-    tokenizer that does not load as a note (the cluster may hold the file) and the flavor's
-    vocabulary size instead. (None, [], []) when the model or data plugin is not found (the
-    config checks say so)."""
-    try:
-        spec = resolve(plugins.MODELS, config.model.name)
-        data = resolve(plugins.DATA, config.training.data_plugin)
-        vocab_size = getattr(spec.flavors[config.model.flavor], "vocab_size", 0)
-    except (PluginError, KeyError):
+def tokenizer_problems(
+    config, spec: ModelSpec | None, *, dry_run: bool
+) -> tuple[int | None, list[str], list[str]]:
+    """(the vocabulary size, problems, notes) of the run's tokenizer, for the model family
+    `spec` (None: not found). A dry run takes a tokenizer that does not load as a note (the
+    cluster may hold the file) and the flavor's vocabulary size instead. (None, [], []) when
+    the model, its flavor or the data plugin is not found (the config checks say so)."""
+    if spec is None:
         return None, [], []
+    try:
+        data = resolve(plugins.DATA, config.training.data_plugin)
+    except PluginError:
+        return None, [], []
+    vocab_size = spec.flavors[config.model.flavor].vocab_size
     problems: list[str] = []
     notes: list[str] = []
     tokenizer_path, note = config.model.tokenizer_source()

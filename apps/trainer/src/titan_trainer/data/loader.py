@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from titan_core import ConfigError, NamesItsOption, ParallelDims, dp_coordinates
+from titan_trainer.batch import BatchShape
 from titan_trainer.guards import StartupError
 
 
@@ -21,17 +22,15 @@ def data_coordinates(config, dims: ParallelDims) -> tuple[int, int]:
     return ft.replica_id * dp_world + dp_rank, ft.group_size * dp_world
 
 
-def build_loader(config, data, tokenizer, dims: ParallelDims):
+def build_loader(config, data, tokenizer, dims: ParallelDims, batch: BatchShape | None = None):
     """One loader per data-parallel rank; TP/CP/PP peers of a rank read the same batches.
-    Replica groups ([fault_tolerance]) each read their own share. The global batch (samples
-    per optimizer step over every data-parallel rank) fixes the data's global order, so a
-    job resumed on another data-parallel degree with the same global batch sees the same
-    samples."""
+    Replica groups ([fault_tolerance]) each read their own share. The global batch (`batch`,
+    the layout's: samples per optimizer step over every data-parallel rank) fixes the data's
+    global order, so a job resumed on another data-parallel degree with the same global batch
+    sees the same samples."""
     dp_rank, dp_world = data_coordinates(config, dims)
     t = config.training
-    per_group = (
-        t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dims.dp_degree
-    )
+    per_group = (batch or BatchShape.of(t, dims.dp_degree)).global_size
     kwargs = dict(
         dataset=t.dataset,
         dataset_path=t.dataset_path,

@@ -17,7 +17,6 @@ from titan_trainer.dry_run.report import (
     device_capacity_gib,
     dry_run,
     fits,
-    gib_text,
     main_dry_run,
     resolve_world_size,
 )
@@ -29,6 +28,7 @@ from titan_trainer.dry_run.simulate import (
     simulate,
     simulate_rank,
 )
+from titan_trainer.dry_run.text import gib_text
 
 __all__ = [
     "EXIT_CONFIG",

@@ -20,10 +20,16 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from titan_core import load_config
+from titan_core import init_logging, load_config
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.simulate import RoleResult, fresh_processes, rank_roles, simulate_rank
+from titan_trainer.dry_run.simulate import (
+    RoleResult,
+    fresh_processes,
+    measure_rank,
+    rank_roles,
+    simulate_rank,
+)
 
 # Qwen3's debug mixture-of-experts model instead of Llama 3's debug model.
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
@@ -207,9 +213,6 @@ def _fix_mmap_threshold() -> None:
 def _worker(
     rank: int, world_size: int, config: JobConfig, vocab_size: int, tmp: str, real_compile: bool
 ) -> None:
-    from titan_core import init_logging
-    from titan_trainer.dry_run.simulate import measure_rank
-
     _fix_mmap_threshold()
     init_logging(rank=rank)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

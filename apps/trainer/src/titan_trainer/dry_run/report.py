@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-from titan_core import ConfigError, Progress, device_memory_gib, plugins, resolve
+from titan_core import ConfigError, Progress, device_memory_gib
 from titan_parallel.memory_estimate import GiB
+from titan_trainer.checkpointing.resume import loadable_problems
 from titan_trainer.config import JobConfig
 from titan_trainer.dry_run.simulate import (
     Simulation,
@@ -20,6 +21,8 @@ from titan_trainer.dry_run.simulate import (
     rank_roles,
     simulate,
 )
+from titan_trainer.dry_run.suggest import suggest_changes
+from titan_trainer.dry_run.text import gib_text
 from titan_trainer.layout import layout_text
 from titan_trainer.memory_modes import ac_text, dtype_text, memory_mode_notes
 from titan_trainer.preflight import preflight
@@ -109,7 +112,10 @@ def dry_run(config: JobConfig, out=print) -> int:
     except ConfigError as e:  # found only once the model meets its layout: said as the others
         out(e.render())
         return EXIT_CONFIG
-    problems += checked.here + _checkpoint_problems(config, sim, notes)
+    expected: dict[str, tuple[int, ...]] = {}
+    for role in sim.roles:
+        expected.update(role.checkpoint_shapes)
+    problems += checked.here + loadable_problems(config, expected, notes)
     out(_table(sim))
     headroom = config.dry_run.headroom_gib
     ok = fits(sim, capacity, headroom)
@@ -122,8 +128,6 @@ def dry_run(config: JobConfig, out=print) -> int:
         return EXIT_CONFIG
     if not ok:
         if config.dry_run.suggest:
-            from titan_trainer.dry_run.suggest import suggest_changes
-
             out("changes that make it fit (cheapest first), each simulated:")
             suggest_changes(config, sim, capacity, headroom, out)
         return EXIT_DOES_NOT_FIT
@@ -151,14 +155,6 @@ def _verdict(
 
 def first_line(problem: str) -> str:
     return problem.splitlines()[0]
-
-
-def gib_text(value: float) -> str:
-    """A size in GiB with the digits it needs: never "0.0" for an amount that is not zero."""
-    digits = 1
-    while round(value, digits) == 0 and value != 0 and digits < 4:
-        digits += 1
-    return f"{value:.{digits}f}"
 
 
 def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
@@ -197,20 +193,6 @@ def _table(sim: Simulation) -> str:
             + f"{r.step.total / GiB:>12.2f}{r.init_peak / GiB:>12.2f}"
         )
     return "\n".join(lines)
-
-
-def _checkpoint_problems(config: JobConfig, sim: Simulation, notes: list[str]) -> list[str]:
-    """Whether the checkpoint this run would resume from loads into this layout."""
-    ckpt = config.checkpoint
-    if not ckpt.enable or ckpt.create_seed_checkpoint:
-        return []
-    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
-    expected: dict[str, tuple[int, ...]] = {}
-    for role in sim.roles:
-        expected.update(role.checkpoint_shapes)
-    problems, note = factory.check_loadable(ckpt, config.job.dump_folder, expected)
-    notes.append(note)
-    return problems
 
 
 def main_dry_run(config: JobConfig, *, own_process: bool = False) -> int:

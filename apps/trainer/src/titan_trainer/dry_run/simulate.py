@@ -34,8 +34,11 @@ import torch
 import torch.distributed as dist
 
 import titan_parallel
-from titan_core import MemoryMonitor, supports_bf16
+from titan_core import MemoryMonitor, ModelSpec, Progress, init_logging, supports_bf16
+from titan_core.init import canonical_name
 from titan_parallel.activation_offload import offloaded_bytes
+from titan_parallel.compiled_memory import simulated_backend
+from titan_parallel.cuda_kernels import cuda_kernels
 from titan_parallel.memory_estimate import (
     GiB,
     MemoryBreakdown,
@@ -45,14 +48,14 @@ from titan_parallel.memory_estimate import (
     fake_tensors,
     resident_bytes,
 )
+from titan_trainer.batch import BatchShape
 from titan_trainer.config import JobConfig
-from titan_trainer.layout import build_meta_model
+from titan_trainer.layout import Layout
 from titan_trainer.loss import cross_entropy_loss
-from titan_trainer.model import build_converters, build_model
+from titan_trainer.model import build_converters, build_meta_model, build_model
 from titan_trainer.optimizer import build_optimizer
-from titan_trainer.parallel import ParallelRuntime, build_parallel_runtime
 from titan_trainer.precision import target_compute_dtype
-from titan_trainer.step import accumulation_steps
+from titan_trainer.runtime import ParallelRuntime, build_parallel_runtime
 
 
 @dataclass
@@ -96,8 +99,6 @@ def _simulation_config(config: JobConfig, *, real_compile: bool = False) -> JobC
     """The config the simulation runs: compiled regions traced and partitioned as the compile
     backend does but run eagerly (see `titan_parallel.compiled_memory`; `real_compile` keeps
     the real backend), async TP off (CUDA only; its buffers are small)."""
-    from titan_parallel.compiled_memory import simulated_backend
-
     sim = copy.deepcopy(config)
     if not real_compile:
         sim.compile.backend = simulated_backend(config.compile.backend)
@@ -219,8 +220,6 @@ def _simulate_rank_here(
     kernels: str,
     phases: bool,
 ) -> RoleResult:
-    from titan_core import Progress, init_logging
-
     init_logging(rank=0)
     quiet_simulation()
     progress = Progress(f"dry run: {role}", 1, out=_phase_lines.put) if phases else None
@@ -275,7 +274,8 @@ def measure_rank(
     if real_compile and fake:
         raise ValueError("real compilation needs real tensors")
     config = _simulation_config(config, real_compile=real_compile)
-    dims = config.parallelism.build_parallel_dims(world_size)
+    layout = Layout.resolve(config, world_size)  # the family found by name once, here
+    dims = layout.dims
     dims.build_mesh("cpu")
     dtype = target_compute_dtype(config.training.mixed_precision_param)
     if (
@@ -291,9 +291,11 @@ def measure_rank(
     )
     converters = build_converters(config, dims)
     stage_io = (
-        _probe_stage_io(config, runtime, vocab_size, converters, fake) if dims.pp_enabled else None
+        _probe_stage_io(config, layout.spec, runtime, vocab_size, converters, fake)
+        if dims.pp_enabled
+        else None
     )
-    parts = build_model(config, runtime, vocab_size, converters, stage_io)
+    parts = build_model(config, runtime, vocab_size, converters, stage_io, layout=layout)
     if after_build is not None:
         after_build(runtime, parts)
     phase("model built and parallelised")
@@ -327,8 +329,6 @@ def measure_rank(
 
 
 def _kernels(kernels: str) -> contextlib.AbstractContextManager:
-    from titan_parallel.cuda_kernels import cuda_kernels
-
     return cuda_kernels() if kernels == "cuda" else contextlib.nullcontext()
 
 
@@ -346,11 +346,13 @@ class _RSSGrowth:
         self.growth = int((self.monitor.stats().peak_gib - self.start) * GiB)
 
 
-def _probe_stage_io(config, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool):
+def _probe_stage_io(
+    config, spec: ModelSpec, runtime: ParallelRuntime, vocab_size: int, converters, fake: bool
+):
     """What pipeline stages pass each other, from a one-block copy of the model (and the
     blocks it runs after its output, multi-token prediction's) with the same
     parallelisms (a fake process group cannot carry the stages' run-time shape exchange)."""
-    probe = build_meta_model(config, vocab_size)
+    probe = build_meta_model(spec, config, vocab_size)
     for converter in converters:
         converter.convert(probe)
     for name in list(probe.layers)[1:]:
@@ -384,7 +386,7 @@ def _create_optimizer_state(parts, optimizer) -> None:
 
 def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> Callable[[], None]:
     t = config.training
-    accum = accumulation_steps(config, runtime.dims)
+    accum = BatchShape.of(t, runtime.dims.dp_degree).accumulation
     # Gradients are allocated by the first microbatch and kept: the second one shows the
     # steady state of accumulation; more would repeat it.
     microbatches = min(accum, 2)
@@ -402,8 +404,6 @@ def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> 
 
 
 def _state_shapes(parts) -> dict[str, tuple[int, ...]]:
-    from titan_core.init import canonical_name
-
     shapes = {}
     for part in parts:
         for name, value in part.state_dict().items():

@@ -12,9 +12,13 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from titan_core import PluginError, Progress, plugins, resolve
+from titan_core import PluginError, Progress
 from titan_parallel.memory_estimate import GiB
+from titan_trainer.batch import BatchShape
 from titan_trainer.config import JobConfig
+from titan_trainer.dry_run.simulate import simulate_rank
+from titan_trainer.dry_run.text import gib_text
+from titan_trainer.model import model_spec
 from titan_trainer.preflight import preflight_problems
 
 FLOAT8 = "quantize.linear.float8"
@@ -58,7 +62,7 @@ def _half_batch(config: JobConfig, world: int):
     changed = copy.deepcopy(config)
     changed.training.local_batch_size = t.local_batch_size // 2
     if t.global_batch_size == -1:  # keep the step's batch: accumulate two microbatches
-        changed.training.global_batch_size = t.local_batch_size * dims.dp_degree
+        changed.training.global_batch_size = BatchShape.of(t, dims.dp_degree).global_size
     return changed, world
 
 
@@ -82,10 +86,10 @@ def _more_expert_parallel(config: JobConfig, world: int):
     """Double expert parallel on a mixture-of-experts model: each rank holds half as many
     experts (same world size; EP borrows its ranks from FSDP's)."""
     try:
-        args = resolve(plugins.MODELS, config.model.name).flavors[config.model.flavor]
+        flavor = model_spec(config).flavors[config.model.flavor]
     except (PluginError, KeyError):
         return None
-    if getattr(args, "moe", None) is None:
+    if flavor.moe is None:
         return None
     dims = config.parallelism.build_parallel_dims(world)
     changed = copy.deepcopy(config)
@@ -116,9 +120,6 @@ CHANGES = [
 
 def suggest_changes(config: JobConfig, sim, capacity_gib: float, headroom_gib: float, out) -> None:
     """Simulate each applicable change on the fullest rank role and print one line each."""
-    from titan_trainer.dry_run.report import gib_text
-    from titan_trainer.dry_run.simulate import simulate_rank
-
     worst = sim.worst
     pp_index = _pp_index(config, sim.world_size, worst.rank)
     best = None

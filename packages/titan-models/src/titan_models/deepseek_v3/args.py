@@ -54,10 +54,6 @@ class DeepSeekV3Args(DecoderArgs):
     moe: MoEArgs | None = None
     """The mixture of experts of the blocks after the first `n_dense_layers`; None: every block
     dense."""
-    n_mtp_layers: int = 0
-    """Multi-token-prediction depth D (num_nextn_predict_layers): in training, D sequential
-    layers after the blocks predict the tokens 2..D+1 positions ahead (`titan_models.mtp`);
-    DeepSeek-V3 has 1. They are dropped for inference."""
     # The shared fields' defaults: DeepSeek-V3's.
     dim: int = 7168
     n_layers: int = 61

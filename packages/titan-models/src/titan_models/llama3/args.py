@@ -30,7 +30,10 @@ class LlamaArgs(DecoderArgs):
     """Context length the model was pretrained at before the long-context extension."""
 
     def problems(self) -> list[str]:
-        return head_problems(self.dim, self.n_heads, self.kv_heads)
+        out = head_problems(self.dim, self.n_heads, self.kv_heads)
+        if self.moe is not None:  # every Llama 3 block is dense: experts would be ignored
+            out.append("moe: Llama 3 has no mixture-of-experts blocks (Qwen3 and Llama 4 have)")
+        return out
 
     @property
     def kv_heads(self) -> int:

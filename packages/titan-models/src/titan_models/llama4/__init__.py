@@ -1,14 +1,15 @@
 """Llama 4 (text: Scout and Maverick shapes) for Titan."""
 
-from titan_core.protocols import ModelSpec
+from titan_core.protocols import ModelFeatures
+from titan_models.family import family_spec
 from titan_models.llama4.args import Llama4Args, llama4_flavors
 from titan_models.llama4.flops import llama4_flops_per_token, llama4_param_count
 from titan_models.llama4.hf_adapter import Llama4HFAdapter
 from titan_models.llama4.model import Llama4Transformer
 from titan_models.moe import with_moe
 
-llama4_spec = ModelSpec(
-    name="llama4", flavors=llama4_flavors, build=Llama4Transformer, hf_adapter=Llama4HFAdapter
+llama4_spec = family_spec(
+    "llama4", llama4_flavors, Llama4Transformer, Llama4HFAdapter, ModelFeatures(sdpa_backend=True)
 )
 
 __all__ = [

@@ -1,6 +1,7 @@
 """What the checkpoint a run resumes from was saved with, against the run: checked before any
 process group, so that a changed setting is named as such instead of every healthy
-checkpoint being tried, failed and reported as "not usable". A run that starts from
+checkpoint being tried, failed and reported as "not usable". Which checkpoint that is, and
+what it was saved with, the run's checkpointer says (`resume_point`); a run that starts from
 `initial_load_path` instead gets the checkpointer's own check of those weights (for Hugging
 Face files, their headers: a damaged file is named before any rank reads it).
 
@@ -19,7 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from titan_core import ConfigError, load_config, plugins, resolve
+from titan_core import ConfigError, ResumePoint, load_config, plugins, resolve
+from titan_trainer.batch import BatchShape
+from titan_trainer.checkpointing.plan import CheckpointPlan
+from titan_trainer.config import JobConfig
 
 MODEL_KEYS = ("model.name", "model.flavor", "model.n_mtp_layers")
 """Settings that change the shapes or names of the model's weights."""
@@ -28,45 +32,28 @@ DATA_KEYS = ("training.seq_len", "training.dataset")
 batch size (compared as the number of samples it comes to: -1 is local x data-parallel)."""
 
 
-def resumed_checkpoint(config) -> Path | None:
-    """The folder of the checkpoint whose state this run would load (a full one: model-only
-    saves do not resume a run), or None."""
-    from titan_ckpt import layout
-    from titan_ckpt.preflight import checkpoint_folder
-
+def resume_point(config) -> ResumePoint | None:
+    """The checkpoint whose state this run would load (a full one: model-only saves do not
+    resume a run), as its checkpointer finds it (`CheckpointerFactory.resume_point`), or
+    None when the run loads none."""
     ckpt = config.checkpoint
-    if not ckpt.enable and not ckpt.initial_load_path:
+    if not CheckpointPlan.of(ckpt).loads:
         return None
-    full = []
-    for step, path in layout.committed(checkpoint_folder(ckpt, config.job.dump_folder)):
-        try:
-            if not layout.read_commit(path).get("model_only"):
-                full.append((step, path))
-        except (OSError, ValueError):
-            continue  # unreadable: the load reports it
-    if ckpt.load_step != -1:
-        full = [(s, p) for s, p in full if s == ckpt.load_step]
-    if full:
-        return full[-1][1]
-    if ckpt.initial_load_path and not (ckpt.initial_load_model_only or ckpt.initial_load_in_hf):
-        return Path(ckpt.initial_load_path)
-    return None
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
+    return factory.resume_point(ckpt, config.job.dump_folder)
 
 
-def saved_config(path) -> Any | None:
+def saved_config(point: ResumePoint) -> Any | None:
     """The config a checkpoint was saved with (its `config.toml`), or None when it has none or
     it does not load here (written by another version: the load itself reports what does not
     fit)."""
-    from titan_trainer.config import JobConfig
-
-    if not (path / "config.toml").is_file():
+    if point.config_toml is None:
         return None
     try:
         with tempfile.TemporaryDirectory(prefix="titan-config-") as tmp:
-            # A copy on this disk: the checkpoint may be at a URL (s3://...), which the config
-            # loader does not read.
+            # A file on this disk for the config loader (the checkpoint may be at a URL).
             local = Path(tmp) / "config.toml"
-            local.write_text((path / "config.toml").read_text())
+            local.write_text(point.config_toml)
             return load_config(JobConfig, [], toml_path=local)
     except (ConfigError, OSError):
         return None
@@ -78,17 +65,30 @@ def resume_problems(config, layout, *, shapes: bool = True) -> list[str]:
     every rank role's shapes itself) and the settings its data position was saved with. Each
     problem names the setting that differs, its value there and here, and the fixes."""
     ckpt = config.checkpoint
-    if ckpt.create_seed_checkpoint or not (ckpt.enable or ckpt.initial_load_path):
+    if not CheckpointPlan.of(ckpt).loads:
         return []
-    path = resumed_checkpoint(config)
-    if path is None:  # nothing to resume: the weights a run starts from, when it names some
+    point = resume_point(config)
+    if point is None:  # nothing to resume: the weights a run starts from, when it names some
         return _loadable(config, layout) if shapes and ckpt.initial_load_path else []
-    saved = saved_config(path)
+    saved = saved_config(point)
     problems = []
     if shapes and "model" not in ckpt.exclude_from_loading:
-        problems += _model_problems(config, layout, path, saved)
+        problems += _model_problems(config, layout, point.path, saved)
     if saved is not None and "dataloader" not in ckpt.exclude_from_loading:
-        problems += _data_problems(config, layout, path, saved)
+        problems += _data_problems(config, layout, point, saved)
+    return problems
+
+
+def loadable_problems(config, expected: dict[str, tuple[int, ...]], notes: list[str]) -> list[str]:
+    """Whether the checkpoint a run that saves would resume from holds every tensor of
+    `expected` (names and global shapes: the dry run's, of every rank role), through the
+    checkpointer's `check_loadable`; its note joins `notes`."""
+    ckpt = config.checkpoint
+    if not CheckpointPlan.of(ckpt).saves:
+        return []
+    factory = resolve(plugins.CHECKPOINTERS, ckpt.checkpointer)
+    problems, note = factory.check_loadable(ckpt, config.job.dump_folder, expected)
+    notes.append(note)
     return problems
 
 
@@ -119,19 +119,14 @@ def _model_problems(config, layout, path, saved) -> list[str]:
     ]
 
 
-def _data_problems(config, layout, path, saved) -> list[str]:
-    from titan_ckpt import layout as ckpt_layout
-
+def _data_problems(config, layout, point: ResumePoint, saved) -> list[str]:
     changed = _changed(saved, config, DATA_KEYS)
-    try:
-        saved_dp = int(ckpt_layout.read_commit(path).get("dp_world_size") or 1)
-    except (OSError, ValueError, TypeError):
-        saved_dp = None
-    dp = layout.dims.dp_replicate * layout.dims.dp_shard
+    saved_dp, path = point.dp_world_size, point.path
+    dp = layout.dims.dp_degree
     flags = _flags(changed)
     if saved_dp is not None:
-        before = _global_batch(saved.training, saved_dp)
-        now = _global_batch(config.training, dp)
+        before = BatchShape.of(saved.training, saved_dp).global_size
+        now = layout.batch.global_size
         if before != now:
             changed.append(("training.global_batch_size", before, now))
             flags = " ".join(x for x in (flags, _batch_flags(before, config.training, dp)) if x)
@@ -162,13 +157,6 @@ def _batch_flags(samples: int, training, dp: int) -> str:
     return flags + (
         f" --training.local_batch_size {local}" if local != training.local_batch_size else ""
     )
-
-
-def _global_batch(training, dp: int) -> int:
-    """Samples per optimizer step: `global_batch_size`, or local x data-parallel for -1."""
-    if training.global_batch_size != -1:
-        return training.global_batch_size
-    return training.local_batch_size * dp
 
 
 def _changed(saved, config, keys) -> list[tuple[str, Any, Any]]:
