@@ -179,7 +179,9 @@ def run_layout(layout: str, flavor: str, folder: str, out: str) -> dict:
         setattr(cfg.parallelism, key, value)
     dims = cfg.parallelism.build_parallel_dims(WORLD)
     dims.build_mesh("cpu")
-    runtime = ParallelRuntime.of(cfg, dims, torch.device("cpu"), torch.float32, 0, cross_entropy_loss)
+    runtime = ParallelRuntime.of(
+        cfg, dims, torch.device("cpu"), torch.float32, 0, cross_entropy_loss
+    )
     args = llama_args(flavor)
     with torch.device("meta"):
         model = llama3_spec.build(args)
