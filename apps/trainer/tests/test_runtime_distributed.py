@@ -13,7 +13,8 @@ against one process. Four ranks start once and run every case:
 - block-causal attention over packed documents (`document_start_id`: the runtime gives the
   model `document_ids`) under FSDP 2 x TP 2, under pipeline parallel 2 x FSDP 2, whose
   second stage gets the ids with each microbatch, and under all-to-all context parallel (CP 2 x
-  FSDP 2, CP 4, CP 2 x TP 2), where documents span the ranks' pieces of the sequence;
+  FSDP 2, CP 4, CP 2 x TP 2, CP 2 x PP 2), where documents span the ranks' pieces of the
+  sequence;
 - [[optimizer.param_groups]] under Muon on FSDP 4 with activation checkpointing (its wrapper
   prefixes in the names) and on pipeline stages 2 x FSDP 2: every parameter lands in the group
   one process gives it, and a training step runs.
@@ -69,6 +70,12 @@ BLOCK_CAUSAL_LAYOUTS = {
     "cp2_fsdp2_alltoall": LAYOUTS["cp2_fsdp2_alltoall"],
     "cp4_alltoall": LAYOUTS["cp4_alltoall"],
     "cp2_tp2_alltoall": LAYOUTS["cp2_tp2_alltoall"],
+    "cp2_pp2_alltoall": dict(
+        data_parallel_shard_degree=1,
+        context_parallel_degree=2,
+        pipeline_parallel_degree=2,
+        context_parallel_style="alltoall",
+    ),
 }
 # How each layout computes the mask (`block_causal_impl`), against the one-process dense mask:
 # varlen under TP (each rank cuts its own heads by the same cu_seqlens), dense under PP; under
@@ -79,6 +86,7 @@ BLOCK_CAUSAL_IMPL = {
     "cp2_fsdp2_alltoall": "dense",
     "cp4_alltoall": "varlen",
     "cp2_tp2_alltoall": "varlen",
+    "cp2_pp2_alltoall": "dense",
 }
 
 
