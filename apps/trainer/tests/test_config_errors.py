@@ -198,17 +198,39 @@ def test_console_ranks_are_checked_against_the_job_size(monkeypatch):
     ]
 
 
-def test_block_causal_attention_is_refused_with_context_parallel():
-    text = problems(
-        ["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"],
-        world_size=2,
-    )
+def test_block_causal_attention_is_refused_with_ring_context_parallel():
+    cp2 = ["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"]
+    text = problems([*cp2, "--parallelism.context_parallel_style", "ring"], world_size=2)
     assert (
-        "[model] attn_mask_type = 'block_causal' does not work with context parallel"
-        " (context_parallel_degree = 2): torch's context-parallel attention takes no mask" in text
+        "[model] attn_mask_type = 'block_causal' does not work with ring context parallel"
+        " (context_parallel_degree = 2, context_parallel_style = 'ring'): torch's ring attention"
+        " takes no mask" in text
     )
-    assert "no block_causal_impl carries document boundaries across them" in text
-    assert "use attn_mask_type = 'causal' with context parallel" in text
+    assert "use context_parallel_style = 'alltoall' (each rank attends over the whole" in text
+    # "auto" takes all-to-all, which attends over the whole sequence with any mask.
+    assert check_config(load_config(JobConfig, cp2), 2).cp_style() == "alltoall"
+    # Where the heads do not divide, "auto" takes the ring, and the message says why.
+    cp3 = [*cp2[:3], "3", "--training.seq_len", "96"]
+    text = problems(cp3, world_size=3)
+    assert (
+        "shards; 'auto' took the ring because 16 query heads per tensor-parallel rank (16 /"
+        " tensor_parallel 1) do not divide by context_parallel_degree 3" in text
+    ), text
+
+
+def test_alltoall_context_parallel_needs_heads_that_divide_by_its_degree():
+    # The debug model has 16 query heads: 3 ranks cannot share them evenly.
+    args = ["--parallelism.context_parallel_degree", "3", "--training.seq_len", "96"]
+    text = problems([*args, "--parallelism.context_parallel_style", "alltoall"], world_size=3)
+    assert (
+        "[parallelism] context_parallel_style = 'alltoall': 16 query heads per tensor-parallel"
+        " rank (16 / tensor_parallel 1) do not divide by context_parallel_degree 3" in text
+    ), text
+    assert (
+        "use context_parallel_style = 'ring', or a context_parallel_degree that divides 16" in text
+    )
+    # "auto" falls back to the ring there, which takes a causal model at any degree.
+    assert check_config(load_config(JobConfig, args), 3).cp_style() == "ring"
 
 
 def test_block_causal_attention_needs_a_model_that_takes_document_ids():
@@ -385,14 +407,21 @@ def test_attention_backend_is_refused_where_it_would_do_nothing_or_cannot_work()
         "       leave attention_backend out (or 'default')" in text
     )
     text = problems(
-        ["--model.attention_backend", "math", "--parallelism.context_parallel_degree", "2"],
+        [
+            "--model.attention_backend",
+            "math",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_style",
+            "ring",
+        ],
         world_size=2,
     )
     assert (
-        "[model] attention_backend = 'math' does not work with context parallel"
+        "[model] attention_backend = 'math' does not work with ring context parallel"
         " (context_parallel_degree = 2): torch's ring attention exchanges keys and values for"
         " the fused kernels only\n       use attention_backend = 'auto', 'flash', 'cudnn' or"
-        " 'efficient'" in text
+        " 'efficient', or context_parallel_style = 'alltoall'" in text
     )
     # DeepSeek-V3's latent attention calls SDPA itself, with no kernel to set.
     text = problems(

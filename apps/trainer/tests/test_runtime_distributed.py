@@ -4,13 +4,17 @@ against one process. Four ranks start once and run every case:
 - a Llama 3.2 1B-shaped model (the `1B` flavor with small dims: tied embeddings, grouped-query
   attention, Llama 3.2 rope scaling) under FSDP 4, FSDP 2 x TP 2, TP 4, HSDP 2 x 2 and
   CP 2 x FSDP 2;
+- the same model under all-to-all context parallel (each rank attends over the whole sequence
+  with a share of the heads): CP 2 x FSDP 2, CP 4 and CP 2 x TP 2;
 - a third-party model (nothing of ours; its positional table is a buffer named `pos`) under
   CP 2 x FSDP 2, which finds its sequence buffers through `cp_buffers()`;
 - the training step and validation with every tensor handed to a collective checked to be
   on the training device (`device_check.py`), and the check shown to catch a host tensor;
 - block-causal attention over packed documents (`document_start_id`: the runtime gives the
-  model `document_ids`) under FSDP 2 x TP 2 and under pipeline parallel 2 x FSDP 2, whose
-  second stage gets the ids with each microbatch;
+  model `document_ids`) under FSDP 2 x TP 2, under pipeline parallel 2 x FSDP 2, whose
+  second stage gets the ids with each microbatch, and under all-to-all context parallel (CP 2 x
+  FSDP 2, CP 4, CP 2 x TP 2, CP 2 x PP 2), where documents span the ranks' pieces of the
+  sequence;
 - [[optimizer.param_groups]] under Muon on FSDP 4 with activation checkpointing (its wrapper
   prefixes in the names) and on pipeline stages 2 x FSDP 2: every parameter lands in the group
   one process gives it, and a training step runs.
@@ -40,7 +44,21 @@ LAYOUTS = {
     "fsdp2_tp2": dict(data_parallel_shard_degree=2, tensor_parallel_degree=2),
     "tp4": dict(data_parallel_shard_degree=1, tensor_parallel_degree=4),
     "hsdp2x2": dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2),
-    "cp2_fsdp2": dict(data_parallel_shard_degree=2, context_parallel_degree=2),
+    "cp2_fsdp2": dict(
+        data_parallel_shard_degree=2, context_parallel_degree=2, context_parallel_style="ring"
+    ),
+    "cp2_fsdp2_alltoall": dict(
+        data_parallel_shard_degree=2, context_parallel_degree=2, context_parallel_style="alltoall"
+    ),
+    "cp4_alltoall": dict(
+        data_parallel_shard_degree=1, context_parallel_degree=4, context_parallel_style="alltoall"
+    ),
+    "cp2_tp2_alltoall": dict(
+        data_parallel_shard_degree=1,
+        context_parallel_degree=2,
+        tensor_parallel_degree=2,
+        context_parallel_style="alltoall",
+    ),
 }
 GROUP_LAYOUTS = {
     "fsdp4_ac": dict(data_parallel_shard_degree=4),
@@ -49,10 +67,27 @@ GROUP_LAYOUTS = {
 BLOCK_CAUSAL_LAYOUTS = {
     "fsdp2_tp2": LAYOUTS["fsdp2_tp2"],
     "pp2_fsdp2": dict(data_parallel_shard_degree=2, pipeline_parallel_degree=2),
+    "cp2_fsdp2_alltoall": LAYOUTS["cp2_fsdp2_alltoall"],
+    "cp4_alltoall": LAYOUTS["cp4_alltoall"],
+    "cp2_tp2_alltoall": LAYOUTS["cp2_tp2_alltoall"],
+    "cp2_pp2_alltoall": dict(
+        data_parallel_shard_degree=1,
+        context_parallel_degree=2,
+        pipeline_parallel_degree=2,
+        context_parallel_style="alltoall",
+    ),
 }
 # How each layout computes the mask (`block_causal_impl`), against the one-process dense mask:
-# varlen under TP (each rank cuts its own heads by the same cu_seqlens), dense under PP.
-BLOCK_CAUSAL_IMPL = {"fsdp2_tp2": "varlen", "pp2_fsdp2": "dense"}
+# varlen under TP (each rank cuts its own heads by the same cu_seqlens), dense under PP; under
+# all-to-all CP the mask covers the whole sequence, which every rank's attention sees.
+BLOCK_CAUSAL_IMPL = {
+    "fsdp2_tp2": "varlen",
+    "pp2_fsdp2": "dense",
+    "cp2_fsdp2_alltoall": "dense",
+    "cp4_alltoall": "varlen",
+    "cp2_tp2_alltoall": "varlen",
+    "cp2_pp2_alltoall": "dense",
+}
 
 
 # ----------------------------------------------------------------------------- models

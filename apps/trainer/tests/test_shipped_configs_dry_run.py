@@ -22,6 +22,7 @@ from conftest import TRAINER, run_cli
 CONFIGS = {
     "debug_model": [],
     "llama3_8b": [],
+    "llama3_8b_128k": [],
     "llama3_70b": [],
     "llama3_405b": [],
     "qwen3_moe_debug": [],
@@ -118,7 +119,8 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
     else:
         assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
         assert re.search(r"verdict: fits, [\d.]+ GiB free", out), out
-    sizes = {"debug_model": 1, "llama3_8b": 8, "llama3_70b": 64, "llama3_405b": 512,
+    sizes = {"debug_model": 1, "llama3_8b": 8, "llama3_8b_128k": 32, "llama3_70b": 64,
+             "llama3_405b": 512,
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16, "deepseek_v3_debug": 1,
              "deepseek_v3_16b": 8, "llama4_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out

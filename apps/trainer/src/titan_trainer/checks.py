@@ -107,27 +107,43 @@ def check_config(
     problems += _loss_chunk_problems(config, dims, flavor)
     problems += _batch_and_length_problems(config, layout.batch if layout else None, dims)
     problems += config.fault_tolerance.validate()
-    if config.model.attn_mask_type == "block_causal" and dims.cp > 1:
-        problems.append(
-            f"[model] attn_mask_type = 'block_causal' does not work with context parallel"
-            f" (context_parallel_degree = {dims.cp}): torch's context-parallel attention takes"
-            " no mask, so documents would see each other across the shards (no"
-            " block_causal_impl carries document boundaries across them: dense and flex masks"
-            " and varlen offsets all cover the whole sequence)\nuse attn_mask_type = 'causal'"
-            " with context parallel, or context_parallel_degree = 1"
-        )
+    problems += _context_parallel_style_problems(config, layout)
     if config.model.block_causal_impl != "auto" and config.model.attn_mask_type != "block_causal":
         problems.append(
             f"[model] block_causal_impl = {config.model.block_causal_impl!r} does nothing with"
             f" attn_mask_type = {config.model.attn_mask_type!r}: it picks how a block-causal mask"
             " is computed\nset attn_mask_type = 'block_causal', or leave block_causal_impl out"
         )
-    problems += _attention_backend_problems(config, dims, spec)
+    problems += _attention_backend_problems(config, dims, spec, _cp_style(config, layout))
     if config.validation.enable and dims.pp_enabled:
         problems += _pipeline_validation_problems(config)
     if problems:
         raise ConfigError(problems)
     return layout
+
+
+def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -> list[str]:
+    """All-to-all context parallel needs query heads per TP rank that divide by the CP degree;
+    the ring takes no mask, so block-causal attention needs all-to-all."""
+    model = _readable_model(config, layout)
+    if layout is None or model is None or not layout.dims.cp_enabled:
+        return []
+    dims, asked = layout.dims, config.parallelism.context_parallel_style
+    if asked == "alltoall":
+        found = titan_parallel.alltoall_heads_problems(model, dims.tp, dims.cp)
+        return [f"[parallelism] context_parallel_style = 'alltoall': {p}" for p in found]
+    if config.model.attn_mask_type != "block_causal" or _cp_style(config, layout) == "alltoall":
+        return []
+    why = titan_parallel.alltoall_heads_problems(model, dims.tp, dims.cp)
+    took = f"; 'auto' took the ring because {why[0].splitlines()[0]}" if why else ""
+    return [
+        f"[model] attn_mask_type = 'block_causal' does not work with ring context parallel"
+        f" (context_parallel_degree = {dims.cp}, context_parallel_style = {asked!r}): torch's"
+        f" ring attention takes no mask, so documents would see each other across the"
+        f" shards{took}\nuse context_parallel_style = 'alltoall' (each rank attends over the"
+        " whole sequence with a share of the heads) with a context_parallel_degree that divides"
+        " the query heads per TP rank, attn_mask_type = 'causal', or context_parallel_degree = 1"
+    ]
 
 
 def _readable_model(config: JobConfig, layout: Layout | None):
@@ -139,8 +155,16 @@ def _readable_model(config: JobConfig, layout: Layout | None):
     return layout.meta_model()
 
 
+def _cp_style(config: JobConfig, layout: Layout | None) -> str:
+    """The context-parallel style the run will take (the config's, when the model cannot be
+    read to resolve "auto")."""
+    if layout is None or _readable_model(config, layout) is None:
+        return config.parallelism.context_parallel_style
+    return layout.cp_style()
+
+
 def _attention_backend_problems(
-    config: JobConfig, dims: ParallelDims, spec: ModelSpec | None
+    config: JobConfig, dims: ParallelDims, spec: ModelSpec | None, cp_style: str
 ) -> list[str]:
     """`[model] attention_backend` only steers causal attention, of a family whose models take
     a kernel (`ModelFeatures.sdpa_backend`), and context parallel's ring attention only runs
@@ -154,12 +178,12 @@ def _attention_backend_problems(
             f" {config.model.attn_mask_type!r}: it picks the kernel of causal attention (the"
             " mask's own is block_causal_impl)\nleave attention_backend out (or 'default')"
         ]
-    if backend == "math" and dims.cp > 1:
+    if backend == "math" and dims.cp > 1 and cp_style != "alltoall":
         return [
-            f"[model] attention_backend = 'math' does not work with context parallel"
+            f"[model] attention_backend = 'math' does not work with ring context parallel"
             f" (context_parallel_degree = {dims.cp}): torch's ring attention exchanges"
             " keys and values for the fused kernels only\nuse attention_backend = 'auto',"
-            " 'flash', 'cudnn' or 'efficient'"
+            " 'flash', 'cudnn' or 'efficient', or context_parallel_style = 'alltoall'"
         ]
     if spec is None or spec.features.sdpa_backend:
         return []

@@ -153,6 +153,7 @@ class MicrobatchRunner:
                     [1, 1, *(d for _, d in buffers)],
                     {inputs, labels},
                     rotate_method=self.settings.parallelism.context_parallel_rotate_method,
+                    style=self.form.cp_style,
                 )
             )
         stack.enter_context(titan_parallel.loss_context(self.dims, self.settings.parallelism))

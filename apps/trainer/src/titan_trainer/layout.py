@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+import titan_parallel
 from titan_core import ModelArgs, ModelSpec, ParallelDims
 from titan_trainer.batch import BatchShape
 from titan_trainer.config import JobConfig
@@ -74,6 +75,15 @@ class Layout:
         model = self._models.pop(vocab_size, None)
         return model if model is not None else build_meta_model(self.spec, self.config, vocab_size)
 
+    def cp_style(self) -> str:
+        """How context parallel attends ("ring" or "alltoall"): `[parallelism]
+        context_parallel_style`, "auto" resolved on the model (`titan_parallel.resolve_cp_style`);
+        "ring" without context parallel."""
+        if not self.dims.cp_enabled:
+            return "ring"
+        style = self.config.parallelism.context_parallel_style
+        return titan_parallel.resolve_cp_style(style, self.meta_model(), self.dims.tp, self.dims.cp)
+
     def _vocab(self, vocab_size: int | None) -> int:
         if vocab_size is not None:
             return vocab_size
@@ -82,11 +92,14 @@ class Layout:
         return self.flavor.vocab_size
 
 
-def layout_text(dims: ParallelDims) -> str:
+def layout_text(dims: ParallelDims, cp_style: str | None = None) -> str:
     """The layout in one phrase: `dp_shard 8 x tp 8`, `dp_shard 16 (ep 8)` (expert parallel
-    borrows its ranks from dp_shard x cp), or `single process`."""
+    borrows its ranks from dp_shard x cp), `cp 4 all-to-all x tp 2` (with the context-parallel
+    style when given), or `single process`."""
+    styles = {"ring": "ring", "alltoall": "all-to-all"}
     parts = [
         f"{name} {getattr(dims, name)}"
+        + (f" {styles[cp_style]}" if name == "cp" and cp_style else "")
         for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
         if getattr(dims, name) > 1
     ]

@@ -49,6 +49,8 @@ class ParallelForm:
     """The dtype autocast computes in, or None (FSDP's mixed precision, or float32)."""
     cp_buffers: list[dict[str, int]] = field(default_factory=list)
     """Per part, its sequence-indexed buffers and their sequence dimension (under CP)."""
+    cp_style: str = "ring"
+    """How context parallel attends: "ring" or "alltoall" (resolved on the whole model)."""
     flops_per_token: float = 0.0
 
 
@@ -86,6 +88,11 @@ class ModelParallelizer:
         stage calls (the runner's scaled loss)."""
         training, form = self.settings.training, self.form
         form.flops_per_token = model.flops_per_token(training.seq_len)
+        if self.dims.cp_enabled:  # on the whole model: every pipeline stage attends alike
+            style = self.settings.parallelism.context_parallel_style
+            form.cp_style = titan_parallel.resolve_cp_style(
+                style, model, self.dims.tp, self.dims.cp
+            )
         if self.dims.pp_enabled:
             form.pipeline = titan_parallel.build_pipeline(
                 model,
@@ -134,6 +141,7 @@ class ModelParallelizer:
             param_dtype=self.dtype if self._fsdp_mixed_precision else torch.float32,
             reduce_dtype=DTYPES[s.training.mixed_precision_reduce],
             cpu_offload=s.training.enable_cpu_offload,
+            cp_style=self.form.cp_style,
         )
 
     def materialize(self, parts: list[nn.Module]) -> None:

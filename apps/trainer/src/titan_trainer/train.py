@@ -211,7 +211,7 @@ def set_up_layout(
         run_title(config),
         processes,
         info.device.type,
-        layout_text(dims),
+        layout_text(dims, layout.cp_style()),
         dtype,
     )
     return dims, dtype, seed

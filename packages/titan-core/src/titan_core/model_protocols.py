@@ -170,6 +170,24 @@ def parallelizable_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+class HeadAttention:
+    """An attention layer, for a model's attention modules to inherit: its `attend(q, k, v,
+    mask)` attends each query head on its own over the whole sequence, `[batch, heads, seq,
+    head_dim]` in and out (keys and values may have fewer heads: kv head i serves query heads
+    i*r .. (i+1)*r-1), and `mask` is what the model's forward built for the whole sequence
+    (None: causal). All-to-all context parallel (titan-parallel) finds the layers by this
+    class and gives `attend` the whole sequence of a share of the heads; a layer that does not
+    inherit it is never changed. Declared by inheritance, so that the layers are found by what
+    they are, not by a method's name."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}.attend")
+
+    def attention_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads) before tensor parallel splits them."""
+        raise NotImplementedError(f"{type(self).__name__}.attention_heads")
+
+
 # ----------------------------------------------------------------------------- what a trainer reads
 
 

@@ -33,6 +33,7 @@ from titan_core.hf_protocols import (  # noqa: F401
 from titan_core.model_protocols import (  # noqa: F401
     ExpertArgs,
     ExpertSplit,
+    HeadAttention,
     ModelArgs,
     ModelFeatures,
     ModelSpec,

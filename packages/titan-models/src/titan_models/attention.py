@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.init import ParamInit
+from titan_core.model_protocols import HeadAttention
 from titan_core.protocols import TPStyle
 from titan_models.attention_backend import SDPAChoice, TakesSDPAKernel, run_attention
 from titan_models.block_causal import (
@@ -76,7 +77,7 @@ def attend(
     return attend_block_causal(q, k, v, mask)
 
 
-class GroupedQueryAttention(nn.Module, TakesSDPAKernel):
+class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
     """Llama 3's attention, built as `GroupedQueryAttention(layer_id, args)` from any args with
     `dim`, `n_heads`, `kv_heads` and `head_dim`.
 
@@ -95,6 +96,10 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.heads = (args.n_heads, args.kv_heads)
+
+    def attention_heads(self) -> tuple[int, int]:
+        return self.heads
 
     @classmethod
     def init_plan(cls, args, std: float, out_std: float) -> dict[str, ParamInit]:

@@ -15,6 +15,11 @@ from titan_core.lazy import attach
 # light module of the package loads without the others, and torch with them.
 if TYPE_CHECKING:
     from titan_parallel.activation_checkpoint import SAVE_OPS, apply_ac
+    from titan_parallel.alltoall_attention import (
+        alltoall_heads_problems,
+        apply_alltoall_cp,
+        head_attention_layers,
+    )
     from titan_parallel.chunked_loss import DeferredLinear, chunked_cross_entropy, defer_output
     from titan_parallel.compile import apply_compile, compile_loss
     from titan_parallel.compiled_memory import simulated_backend
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
         cp_context,
         cp_unshard,
         enable_cpu_ring_attention,
+        resolve_cp_style,
     )
     from titan_parallel.cuda_kernels import cuda_kernels
     from titan_parallel.data_parallel import (
@@ -174,6 +180,10 @@ __all__ = [
     "cp_context",
     "cp_unshard",
     "enable_cpu_ring_attention",
+    "alltoall_heads_problems",
+    "apply_alltoall_cp",
+    "head_attention_layers",
+    "resolve_cp_style",
     "pp_total_norm",
     "split_balanced",
     "split_by_layers",

@@ -45,8 +45,16 @@ class Parallelism:
     """Under TP, shard norms and residuals along the sequence (saves activation memory)."""
     context_parallel_degree: int = 1
     """Number of ranks the sequence is split over for attention (context parallel)."""
+    context_parallel_style: Literal["auto", "ring", "alltoall"] = "auto"
+    """How attention sees the whole sequence under context parallel: "ring" passes keys and
+    values round the ranks (torch's ring attention, causal only, load-balanced); "alltoall"
+    trades sequence pieces for whole heads around attention (each rank attends over every
+    position with 1/cp of the heads: any mask, including block_causal, and any kernel; query
+    heads per TP rank must divide by the degree); "auto" takes alltoall where the heads
+    divide and ring elsewhere."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """How context parallel exchanges keys and values between ranks."""
+    """How the ring style exchanges keys and values between ranks (gather them all once, or
+    pass them on step by step)."""
     pipeline_parallel_degree: int = 1
     """Number of pipeline stages."""
     pipeline_parallel_schedule: str = "1F1B"
@@ -105,7 +113,7 @@ class Parallelism:
                 f"[parallelism] pipeline_parallel_layers_per_stage = {self.pipeline_parallel_layers_per_stage}"
                 " is not valid\nuse 1 or more, or leave it unset"
             )
-        if self.context_parallel_degree > 1:
+        if self.context_parallel_degree > 1 and self.context_parallel_style != "alltoall":
             from titan_parallel.context_parallel import check_cp_support
 
             problems += check_cp_support()

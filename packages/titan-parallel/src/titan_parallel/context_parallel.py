@@ -28,10 +28,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_core.config import ConfigError
+from titan_parallel.alltoall_attention import (
+    alltoall_heads_problems,
+    alltoall_scope,
+    gather_sequence_pieces,
+    restore_,
+    shard_sequence_,
+)
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -40,6 +48,7 @@ __all__ = [
     "cp_context",
     "cp_unshard",
     "enable_cpu_ring_attention",
+    "resolve_cp_style",
 ]
 
 SUPPORTED_TORCH = ((2, 11), (2, 15))
@@ -47,6 +56,7 @@ SUPPORTED_TORCH = ((2, 11), (2, 15))
 checked against; context parallel refuses to run outside them (see `check_cp_support`)."""
 
 RotateMethod = Literal["allgather", "alltoall"]
+CPStyle = Literal["ring", "alltoall"]
 _SEQ_DIM = 2  # q, k, v are [batch, heads, seq, head_dim]
 _aten = torch.ops.aten
 
@@ -303,6 +313,15 @@ def check_cp_seq_len(
         )
 
 
+def resolve_cp_style(style: str, model: nn.Module, tp: int, cp: int) -> CPStyle:
+    """The style `[parallelism] context_parallel_style` names for `model` under `tp`-way tensor
+    and `cp`-way context parallel: "auto" is all-to-all where the model's attention layers are
+    found and their query heads per TP rank divide by `cp`, the ring elsewhere."""
+    if style in ("ring", "alltoall"):
+        return style  # type: ignore[return-value]
+    return "ring" if alltoall_heads_problems(model, tp, cp) else "alltoall"
+
+
 # ----------------------------------------------------------------------------- the context
 
 
@@ -315,6 +334,7 @@ def cp_context(
     *,
     rotate_method: RotateMethod = "allgather",
     load_balance: bool = True,
+    style: CPStyle = "ring",
 ) -> Iterator[None]:
     """Run the enclosed forward and backward with the sequence sharded over `cp_mesh`.
 
@@ -324,24 +344,26 @@ def cp_context(
     views of one storage: clone them). Buffers in `no_restore_buffers` (usually the batch)
     keep their local shard afterwards; the others (model buffers) get their full contents back. Wrap forward *and* backward: the backward
     of ring attention communicates too.
+
+    `style`: "ring" (torch's ring attention, `rotate_method` and `load_balance` as above) or
+    "alltoall" (`titan_parallel.alltoall_attention`: contiguous pieces, one per rank, and the
+    attention layers `apply_alltoall_cp` wrapped trade heads for the whole sequence).
     """
+    if style not in ("ring", "alltoall"):
+        raise ConfigError(
+            f"[parallelism] context_parallel_style = {style!r} is not valid\n"
+            "use 'ring' or 'alltoall' (or 'auto' in the config)"
+        )
+    if style == "alltoall":
+        with _alltoall_context(cp_mesh, buffers, seq_dims, no_restore_buffers):
+            yield
+        return
     if rotate_method not in ("allgather", "alltoall"):
         raise ConfigError(
             f"[parallelism] context_parallel_rotate_method = {rotate_method!r} is not valid\n"
             "use 'allgather' or 'alltoall'"
         )
-    if len(buffers) != len(seq_dims) or not buffers:
-        raise ValueError(
-            "cp_context needs one sequence dimension per buffer, and at least one buffer"
-        )
-    _check_buffers_own_their_memory(buffers)
-    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims)}
-    if len(lengths) != 1:
-        raise ValueError(
-            f"cp_context buffers have different sequence lengths {sorted(lengths)}; a positional table"
-            " must be sliced to the batch's sequence length before it is sharded"
-        )
-    check_cp_seq_len(lengths.pop(), cp_mesh.size(), load_balance=load_balance)
+    _check_buffers(buffers, seq_dims, cp_mesh, load_balance=load_balance)
 
     internals = _cp_internals()
     context_parallel = _FOUND["torch.distributed.tensor.experimental.context_parallel"]
@@ -365,6 +387,45 @@ def cp_context(
             yield
     finally:
         options.enable_load_balance, options.rotate_method = saved
+
+
+@contextlib.contextmanager
+def _alltoall_context(
+    cp_mesh: DeviceMesh,
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    no_restore_buffers: set[torch.Tensor] | None,
+) -> Iterator[None]:
+    _check_buffers(buffers, seq_dims, cp_mesh, load_balance=False)
+    keep = {id(b) for b in no_restore_buffers or ()}
+    full = shard_sequence_(list(buffers), list(seq_dims), cp_mesh.get_local_rank(), cp_mesh.size())
+    try:
+        with alltoall_scope():
+            yield
+    finally:
+        restored = [(b, f) for b, f in zip(buffers, full) if id(b) not in keep]
+        restore_([b for b, _ in restored], [f for _, f in restored])
+
+
+def _check_buffers(
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    cp_mesh: DeviceMesh,
+    *,
+    load_balance: bool,
+) -> None:
+    if len(buffers) != len(seq_dims) or not buffers:
+        raise ValueError(
+            "cp_context needs one sequence dimension per buffer, and at least one buffer"
+        )
+    _check_buffers_own_their_memory(buffers)
+    lengths = {b.shape[d] for b, d in zip(buffers, seq_dims)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"cp_context buffers have different sequence lengths {sorted(lengths)}; a positional table"
+            " must be sliced to the batch's sequence length before it is sharded"
+        )
+    check_cp_seq_len(lengths.pop(), cp_mesh.size(), load_balance=load_balance)
 
 
 def _check_buffers_own_their_memory(buffers: Sequence[torch.Tensor]) -> None:
@@ -396,9 +457,12 @@ def cp_unshard(
     seq_dims: Sequence[int],
     *,
     load_balance: bool = True,
+    style: CPStyle = "ring",
 ) -> list[torch.Tensor]:
     """Gather sequence shards (e.g. logits made under `cp_context`) back into full sequences,
-    undoing the load-balancing order."""
+    undoing the load-balancing order (the ring's; all-to-all's pieces are in rank order)."""
+    if style == "alltoall":
+        return gather_sequence_pieces(cp_mesh, list(tensors), list(seq_dims))
     internals = _cp_internals()
     context_parallel_unshard = _FOUND[
         "torch.distributed.tensor.experimental._attention.context_parallel_unshard"

@@ -2,7 +2,8 @@
 
 Order matters and is fixed: tensor parallel first (it changes parameters into DTensors on the
 TP mesh), then expert parallel (mixture-of-experts layers: experts over the EP and TP meshes),
-then activation checkpointing (wraps blocks), then compile (compiles the wrapped blocks), then
+then all-to-all context parallel (wraps the attention layers, which see their TP heads), then
+activation checkpointing (wraps blocks), then compile (compiles the wrapped blocks), then
 FSDP/HSDP or DDP (shards what TP and EP left, and keeps its hooks outside compiled code).
 """
 
@@ -15,6 +16,7 @@ from titan_core.config import ConfigError
 from titan_core.parallel_dims import ParallelDims
 from titan_core.protocols import TPPlan
 from titan_parallel.activation_checkpoint import apply_ac
+from titan_parallel.alltoall_attention import alltoall_heads_problems, apply_alltoall_cp
 from titan_parallel.compile import apply_compile
 from titan_parallel.config import (
     ActivationCheckpoint,
@@ -22,6 +24,7 @@ from titan_parallel.config import (
     Parallelism,
     check_parallelize_config,
 )
+from titan_parallel.context_parallel import resolve_cp_style
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
 from titan_parallel.expert_parallel import apply_ep, moe_layers, tp_plan_overlaps
 from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
@@ -39,8 +42,9 @@ def parallelize(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
     cpu_offload: bool = False,
+    cp_style: str | None = None,
 ) -> nn.Module:
-    """Apply TP -> EP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to `model`, in
+    """Apply TP -> EP -> all-to-all CP -> activation checkpointing -> compile -> FSDP/HSDP/DDP to `model`, in
     place (EP, with the TP of mixture-of-experts layers, whenever the model has such layers).
 
     `model` follows `titan_core.protocols.ParallelizableModel` (blocks in `model.layers`) and
@@ -52,6 +56,9 @@ def parallelize(
     A parameter several modules hold (tied embeddings) stays one parameter: under FSDP its
     modules share one FSDP group, under TP the plan must split it alike in each of them, and
     `model.to_empty()` / `.to()` keep it tied (plain PyTorch unties it there).
+    Under context parallel, `cp_style` (default: `parallelism.context_parallel_style`, "auto"
+    resolved by `resolve_cp_style` on this model) "alltoall" wraps the attention layers
+    (`apply_alltoall_cp`); run the model inside `cp_context(..., style=)` of the same style.
     Returns `model`.
     """
     parallelism = parallelism or Parallelism()
@@ -64,6 +71,13 @@ def parallelize(
     if dims.tp_enabled and moe_layers(model):
         problems += parallelism.expert_tp_problems(dims.tp)
         problems += tp_plan_overlaps(model, plan if plan is not None else model.tp_plan())
+    style = None
+    if dims.cp_enabled:
+        style = resolve_cp_style(
+            cp_style or parallelism.context_parallel_style, model, dims.tp, dims.cp
+        )
+        if style == "alltoall":
+            problems += alltoall_heads_problems(model, dims.tp, dims.cp)
     if problems:
         raise ConfigError(problems)
 
@@ -80,6 +94,8 @@ def parallelize(
     apply_ep(
         model, dims, sequence_parallel=dims.tp_enabled and parallelism.enable_sequence_parallel
     )
+    if style == "alltoall":
+        apply_alltoall_cp(model, dims.mesh("cp"))
     apply_ac(model, ac)
     if dims.tp_enabled:
         copy_block_inputs(model)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.init import ParamInit
+from titan_core.model_protocols import HeadAttention
 from titan_core.protocols import TPStyle
 from titan_models.decoder import Decoder
 from titan_models.deepseek_v3.args import DeepSeekV3Args
@@ -37,7 +38,7 @@ from titan_models.rope import apply_rope
 LATENT_NORM_EPS = 1e-6  # q_norm and kv_norm, as in DeepSeek's and Hugging Face's code
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(nn.Module, HeadAttention):
     def __init__(self, layer_id: int, args: DeepSeekV3Args):
         super().__init__()
         self.args = args
@@ -81,6 +82,13 @@ class MultiHeadLatentAttention(nn.Module):
     def divisible_by_tp(cls, args: DeepSeekV3Args) -> dict[str, int]:
         return {"n_heads": args.n_heads}
 
+    def attention_heads(self) -> tuple[int, int]:
+        return self.args.n_heads, self.args.n_heads  # every head has its own key and value
+
+    def attend(self, q, k, v, mask: None) -> torch.Tensor:
+        """Training: causal attention of `[batch, heads, seq, head_dim]` (no document masks)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -114,7 +122,7 @@ class MultiHeadLatentAttention(nn.Module):
             v = F.pad(v, (0, pad))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         if kv_cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            out = self.attend(q, k, v, None)
         else:
             mask = causal_mask(start, seq_len, x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
