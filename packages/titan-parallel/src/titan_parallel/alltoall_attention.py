@@ -102,8 +102,9 @@ def alltoall_heads_problems(model: nn.Module, tp: int, cp: int) -> list[str]:
 
 def apply_alltoall_cp(model: nn.Module, cp_mesh: DeviceMesh) -> int:
     """Wrap the `attend` of every attention layer of `model` for all-to-all context parallel
-    over `cp_mesh` (after tensor parallel, before compile); returns how many layers. Raises
-    ConfigError (before changing anything) when the heads do not divide."""
+    over `cp_mesh` (after tensor parallel, before compile); returns how many layers. Check the
+    model first with `alltoall_heads_problems` (as `parallelize` does): a rank whose query heads
+    do not divide by the degree raises ConfigError at its first attention."""
     layers = head_attention_layers(model)
     cp = cp_mesh.size()
     for layer in layers:
