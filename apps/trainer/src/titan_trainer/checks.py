@@ -125,8 +125,10 @@ def check_config(
 def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -> list[str]:
     """All-to-all context parallel needs query heads per TP rank that divide by the CP degree;
     the ring takes no mask, so block-causal attention needs all-to-all."""
+    if layout is None or not layout.dims.cp_enabled:
+        return []  # no model built where nothing here reads it
     model = _readable_model(config, layout)
-    if layout is None or model is None or not layout.dims.cp_enabled:
+    if model is None:
         return []
     dims, asked = layout.dims, config.parallelism.context_parallel_style
     if asked == "alltoall":
@@ -158,7 +160,7 @@ def _readable_model(config: JobConfig, layout: Layout | None):
 def _cp_style(config: JobConfig, layout: Layout | None) -> str:
     """The context-parallel style the run will take (the config's, when the model cannot be
     read to resolve "auto")."""
-    if layout is None or _readable_model(config, layout) is None:
+    if layout is None or not layout.dims.cp_enabled or _readable_model(config, layout) is None:
         return config.parallelism.context_parallel_style
     return layout.cp_style()
 
