@@ -27,6 +27,7 @@ ELSEWHERE = {
     "parallelism.disable_loss_parallel": "apps/trainer/tests/test_parallel_e2e.py::test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process",
     "parallelism.enable_sequence_parallel": "apps/trainer/tests/test_parallel_e2e.py::test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process",
     "parallelism.expert_tensor_parallel_degree": "apps/trainer/tests/test_moe_e2e.py::test_layouts_that_cannot_split_experts_are_refused_before_start",
+    "parallelism.context_parallel_style": "apps/trainer/tests/test_context_parallel_documents_e2e.py::test_block_causal_attention_under_context_parallel_trains_like_one_process",
     "parallelism.context_parallel_rotate_method": "apps/trainer/tests/test_parallel_4d_e2e.py::test_three_way_layout_on_8_processes_matches_one_process",
     "parallelism.pipeline_parallel_first_stage_less_layers": "apps/trainer/tests/test_parallel_e2e.py::test_pipeline_x_fsdp_trains_and_validates_like_one_process_for_5_steps",
     "parallelism.pipeline_parallel_last_stage_less_layers": "apps/trainer/tests/test_parallel_e2e.py::test_pipeline_x_fsdp_trains_and_validates_like_one_process_for_5_steps",

@@ -160,7 +160,9 @@ def _readable_model(config: JobConfig, layout: Layout | None):
 def _cp_style(config: JobConfig, layout: Layout | None) -> str:
     """The context-parallel style the run will take (the config's, when the model cannot be
     read to resolve "auto")."""
-    if layout is None or not layout.dims.cp_enabled or _readable_model(config, layout) is None:
+    if layout is None or not layout.dims.cp_enabled:
+        return "ring"  # no context parallel: the style is never read
+    if _readable_model(config, layout) is None:
         return config.parallelism.context_parallel_style
     return layout.cp_style()
 
