@@ -131,13 +131,17 @@ def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -
     if model is None:
         return []
     dims, asked = layout.dims, config.parallelism.context_parallel_style
-    if asked == "alltoall":
-        found = titan_parallel.alltoall_heads_problems(model, dims.tp, dims.cp)
-        return [f"[parallelism] context_parallel_style = 'alltoall': {p}" for p in found]
-    if config.model.attn_mask_type != "block_causal" or _cp_style(config, layout) == "alltoall":
-        return []
     why = titan_parallel.alltoall_heads_problems(model, dims.tp, dims.cp)
-    took = f"; 'auto' took the ring because {why[0].splitlines()[0]}" if why else ""
+    if asked == "alltoall":
+        return [f"[parallelism] context_parallel_style = 'alltoall': {p}" for p in why]
+    takes_ring = asked == "ring" or why  # "auto"'s rule (titan_parallel.resolve_cp_style)
+    if config.model.attn_mask_type != "block_causal" or not takes_ring:
+        return []
+    took = (
+        f"; 'auto' took the ring because {why[0].splitlines()[0]}"
+        if asked == "auto" and why
+        else ""
+    )
     return [
         f"[model] attn_mask_type = 'block_causal' does not work with ring context parallel"
         f" (context_parallel_degree = {dims.cp}, context_parallel_style = {asked!r}): torch's"
