@@ -286,3 +286,20 @@ def test_bench_readme_ckpt_command_runs_at_toy_sizes():
     }
     # Toy sizes on a shared machine: the ratios are reported, not judged, here.
     assert all(r["value"] > 0 and isinstance(r["met"], bool) for r in targets.values())
+
+
+def test_bench_readme_long_context_command_runs_at_toy_sizes():
+    (command,) = _bench_readme_commands("long_context.py")
+    argv = shlex.split(command)
+    assert argv[:3] == ["uv", "run", "python"]
+    toy = ["--seqs", "2048", "--cps", "2", "--steps", "1", "--median", "48", "--heads", "4"]
+    done = _run_in_repo([sys.executable, *argv[3:], *toy])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["layout"] for r in rows] == ["one process", "CP 2 ring", "CP 2 all-to-all"]
+    assert all(r["seq"] == 2048 and r["s_per_step"] > 0 for r in rows)
+    ring = rows[1]
+    # Documents of ~48 tokens in 8 chunks of 256: most chunk pairs share no document.
+    assert ring["chunks_per_rank"] == 4
+    assert ring["skipped_block_share"] > 0.4
+    assert 1.0 <= ring["imbalance"] <= ring["head_tail_imbalance"]

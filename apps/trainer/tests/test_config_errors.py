@@ -198,24 +198,31 @@ def test_console_ranks_are_checked_against_the_job_size(monkeypatch):
     ]
 
 
-def test_block_causal_attention_is_refused_with_ring_context_parallel():
+def test_block_causal_attention_runs_with_either_context_parallel_style():
     cp2 = ["--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"]
-    text = problems([*cp2, "--parallelism.context_parallel_style", "ring"], world_size=2)
-    assert (
-        "[model] attn_mask_type = 'block_causal' does not work with ring context parallel"
-        " (context_parallel_degree = 2, context_parallel_style = 'ring'): torch's ring attention"
-        " takes no mask" in text
-    )
-    assert "use context_parallel_style = 'alltoall' (each rank attends over the whole" in text
-    # "auto" takes all-to-all, which attends over the whole sequence with any mask.
+    for style in ("ring", "alltoall"):
+        args = [*cp2, "--parallelism.context_parallel_style", style]
+        assert check_config(load_config(JobConfig, args), 2).cp_style() == style
+    # "auto" takes all-to-all where the heads divide, the ring (with documents) where not.
     assert check_config(load_config(JobConfig, cp2), 2).cp_style() == "alltoall"
-    # Where the heads do not divide, "auto" takes the ring, and the message says why.
     cp3 = [*cp2[:3], "3", "--training.seq_len", "96"]
-    text = problems(cp3, world_size=3)
+    assert check_config(load_config(JobConfig, cp3), 3).cp_style() == "ring"
+
+
+def test_block_causal_ring_context_parallel_is_refused_with_pipeline_parallel():
+    args = [
+        *("--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"),
+        *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_style"),
+    ]
+    text = problems([*args, "ring"], world_size=4)
     assert (
-        "shards; 'auto' took the ring because 16 query heads per tensor-parallel rank (16 /"
-        " tensor_parallel 1) do not divide by context_parallel_degree 3" in text
+        "[model] attn_mask_type = 'block_causal' with ring context parallel"
+        " (context_parallel_style = 'ring') does not work with pipeline parallel"
+        " (pipeline_parallel_degree = 2): the ring builds each pair of chunks' document masks"
+        " for the whole local batch, not for the pipeline's microbatches" in text
     ), text
+    assert "use context_parallel_style = 'alltoall' with a context_parallel_degree" in text
+    assert check_config(load_config(JobConfig, [*args, "alltoall"]), 4).cp_style() == "alltoall"
 
 
 def test_alltoall_context_parallel_needs_heads_that_divide_by_its_degree():

@@ -34,7 +34,16 @@ MEASURED_ON_H100_GIB = {
 }
 
 
-@pytest.mark.parametrize("name", ["PP 2 (1F1B)", "FSDP 2 x TP 2", "MoE FSDP 2 + AC full compiled"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "PP 2 (1F1B)",
+        "FSDP 2 x TP 2",
+        "MoE FSDP 2 + AC full compiled",
+        "CP 2 ring, packed documents",
+        "CP 2 all-to-all, packed documents",
+    ],
+)
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak(name):
     world, extra = LAYOUTS[name]
     vocab = resolve(plugins.DATA, "titan").build_tokenizer("byte").vocab_size

@@ -176,6 +176,10 @@ RUN_ELSEWHERE = {
         "tools/test_vs_torchtitan.py::"
         "test_the_bundle_imports_torchtitan_from_its_wheels_and_the_bench_refuses_without_a_gpu",
     ),
+    "uv run python bench/long_context.py": (
+        "apps/trainer/tests/test_bench_commands.py::"
+        "test_bench_readme_long_context_command_runs_at_toy_sizes"
+    ),
     "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7": (
         "apps/trainer/tests/test_bench_commands.py::test_bench_readme_ckpt_command_runs_at_toy_sizes"
     ),

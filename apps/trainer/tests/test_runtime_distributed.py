@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-SEED, STEPS, BATCH, SEQ, DIM = 3, 3, 4, 16, 32
+SEED, STEPS, BATCH, SEQ, DIM = 3, 5, 4, 16, 32
 BOS = 1  # starts each document of the packed batches of the block-causal cases
 
 LAYOUTS = {
@@ -76,6 +76,18 @@ BLOCK_CAUSAL_LAYOUTS = {
         pipeline_parallel_degree=2,
         context_parallel_style="alltoall",
     ),
+    # The ring with documents: positions dealt by the documents' work, each pair of chunks
+    # under its own mask (titan_parallel.document_ring).
+    "cp2_fsdp2_ring": LAYOUTS["cp2_fsdp2"],
+    "cp4_ring": dict(
+        data_parallel_shard_degree=1, context_parallel_degree=4, context_parallel_style="ring"
+    ),
+    "cp2_tp2_ring": dict(
+        data_parallel_shard_degree=1,
+        context_parallel_degree=2,
+        tensor_parallel_degree=2,
+        context_parallel_style="ring",
+    ),
 }
 # How each layout computes the mask (`block_causal_impl`), against the one-process dense mask:
 # varlen under TP (each rank cuts its own heads by the same cu_seqlens), dense under PP; under
@@ -87,6 +99,10 @@ BLOCK_CAUSAL_IMPL = {
     "cp4_alltoall": "varlen",
     "cp2_tp2_alltoall": "varlen",
     "cp2_pp2_alltoall": "dense",
+    # The ring builds its own masks; the model's is never asked for.
+    "cp2_fsdp2_ring": "varlen",
+    "cp4_ring": "varlen",
+    "cp2_tp2_ring": "varlen",
 }
 
 

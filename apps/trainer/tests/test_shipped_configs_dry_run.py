@@ -124,6 +124,9 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16, "deepseek_v3_debug": 1,
              "deepseek_v3_16b": 8, "llama4_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
+    if name == "llama3_8b_128k":  # the header names the context-parallel style and the packing
+        assert "layout dp_shard 4 x cp 8 all-to-all | seq 131072" in out, out
+        assert "| packed documents" in out, out
     toml = tomllib.loads((TRAINER / "configs" / f"{name}.toml").read_text())
     if toml.get("compile", {}).get("enable"):  # compiled blocks and loss, simulated
         assert "compiled code as inductor runs it" in out, out

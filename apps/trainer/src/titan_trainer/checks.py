@@ -123,8 +123,9 @@ def check_config(
 
 
 def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -> list[str]:
-    """All-to-all context parallel needs query heads per TP rank that divide by the CP degree;
-    the ring takes no mask, so block-causal attention needs all-to-all."""
+    """All-to-all context parallel needs query heads per TP rank that divide by the CP degree.
+    (Block-causal attention runs in both styles: the ring builds each pair of chunks' document
+    mask, all-to-all the model's whole-sequence mask.)"""
     if layout is None or not layout.dims.cp_enabled:
         return []  # no model built where nothing here reads it
     model = _readable_model(config, layout)
@@ -135,20 +136,18 @@ def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -
     if asked == "alltoall":
         return [f"[parallelism] context_parallel_style = 'alltoall': {p}" for p in why]
     takes_ring = asked == "ring" or why  # "auto"'s rule (titan_parallel.resolve_cp_style)
-    if config.model.attn_mask_type != "block_causal" or not takes_ring:
+    if config.model.attn_mask_type != "block_causal" or not takes_ring or not dims.pp_enabled:
         return []
-    took = (
-        f"; 'auto' took the ring because {why[0].splitlines()[0]}"
-        if asked == "auto" and why
-        else ""
-    )
+    # The pipeline cuts the batch into microbatches the ring cannot tell apart, and each needs
+    # its own rows' document masks.
+    took = f"; 'auto' took the ring because {why[0].splitlines()[0]}" if asked == "auto" else ""
     return [
-        f"[model] attn_mask_type = 'block_causal' does not work with ring context parallel"
-        f" (context_parallel_degree = {dims.cp}, context_parallel_style = {asked!r}): torch's"
-        f" ring attention takes no mask, so documents would see each other across the"
-        f" shards{took}\nuse context_parallel_style = 'alltoall' (each rank attends over the"
-        " whole sequence with a share of the heads) with a context_parallel_degree that divides"
-        " the query heads per TP rank, attn_mask_type = 'causal', or context_parallel_degree = 1"
+        f"[model] attn_mask_type = 'block_causal' with ring context parallel"
+        f" (context_parallel_style = {asked!r}) does not work with pipeline parallel"
+        f" (pipeline_parallel_degree = {dims.pp}): the ring builds each pair of chunks'"
+        f" document masks for the whole local batch, not for the pipeline's microbatches{took}"
+        "\nuse context_parallel_style = 'alltoall' with a context_parallel_degree that divides"
+        " the query heads per TP rank, or pipeline_parallel_degree = 1"
     ]
 
 

@@ -88,10 +88,23 @@ class MicrobatchRunner:
 
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the model's forward gets besides the tokens: `document_ids` (`[batch, seq]`,
-        the documents started so far at each position) for block-causal attention."""
-        if self.document_start_id is None:
+        the documents started so far at each position) for block-causal attention. Under ring
+        context parallel the ring takes them instead (see `_contexts`), and builds each pair of
+        chunks' mask itself."""
+        if self.document_start_id is None or self._documents_go_round_the_ring:
             return {}
-        return {"document_ids": (inputs == self.document_start_id).cumsum(dim=-1)}
+        return {"document_ids": self._document_ids(inputs)}
+
+    def _document_ids(self, inputs: torch.Tensor) -> torch.Tensor:
+        return (inputs == self.document_start_id).cumsum(dim=-1)
+
+    @property
+    def _documents_go_round_the_ring(self) -> bool:
+        return (
+            self.document_start_id is not None
+            and self.dims.cp_enabled
+            and self.form.cp_style == "ring"
+        )
 
     def eval_loss(
         self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
@@ -154,6 +167,10 @@ class MicrobatchRunner:
                     {inputs, labels},
                     rotate_method=self.settings.parallelism.context_parallel_rotate_method,
                     style=self.form.cp_style,
+                    # The whole batch's documents (`inputs` is cut as the context opens).
+                    document_ids=(
+                        self._document_ids(inputs) if self._documents_go_round_the_ring else None
+                    ),
                 )
             )
         stack.enter_context(titan_parallel.loss_context(self.dims, self.settings.parallelism))

@@ -48,6 +48,12 @@ if TYPE_CHECKING:
         autocast_context,
         resolve_reshard_after_forward,
     )
+    from titan_parallel.document_ring import (
+        DocumentRing,
+        apply_document_ring_cp,
+        head_tail_imbalance,
+        plan_document_ring,
+    )
     from titan_parallel.expert_parallel import apply_ep, expert_parallel_problems, moe_layers
     from titan_parallel.fault_tolerance import ReplicaGroup, SemiSync, start_lighthouse
     from titan_parallel.grad_clip import (
@@ -183,6 +189,10 @@ __all__ = [
     "alltoall_heads_problems",
     "apply_alltoall_cp",
     "head_attention_layers",
+    "DocumentRing",
+    "apply_document_ring_cp",
+    "head_tail_imbalance",
+    "plan_document_ring",
     "resolve_cp_style",
     "pp_total_norm",
     "split_balanced",

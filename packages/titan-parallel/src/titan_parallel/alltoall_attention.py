@@ -163,11 +163,19 @@ def shard_sequence_(
 ) -> list[torch.Tensor]:
     """Cut each buffer in place to its `rank`-th of `cp` contiguous pieces along its sequence
     dimension; returns full copies to restore from."""
+    length = buffers[0].shape[seq_dims[0]] // cp
+    return keep_positions_(buffers, seq_dims, torch.arange(rank * length, (rank + 1) * length))
+
+
+def keep_positions_(
+    buffers: list[torch.Tensor], seq_dims: list[int], positions: torch.Tensor
+) -> list[torch.Tensor]:
+    """Cut each buffer in place to `positions` (in that order) along its sequence dimension;
+    returns full copies to restore from (`restore_`)."""
     full = []
     for buffer, dim in zip(buffers, seq_dims):
-        length = buffer.shape[dim] // cp
         whole = buffer.clone()
-        piece = whole.narrow(dim, rank * length, length).contiguous()
+        piece = whole.index_select(dim, positions.to(whole.device)).contiguous()
         buffer.resize_(piece.shape)
         buffer.copy_(piece)
         full.append(whole)

@@ -17,7 +17,9 @@ pinned to the versions checked here (`SUPPORTED_TORCH`).
 Model requirements: attention calls `F.scaled_dot_product_attention` through the module
 attribute (the CP context patches it), with `is_causal=True` when load balancing, no
 attention mask and no dropout; positional tables are passed as buffers so they are sharded
-with the tokens.
+with the tokens. Packed documents (`document_ids=`) take Titan's own ring instead
+(`titan_parallel.document_ring`), and `style="alltoall"` all-to-all context parallel; both
+find the attention layers as `titan_core.HeadAttention`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from titan_parallel.alltoall_attention import (
     gather_sequence_pieces,
     restore_,
     shard_sequence_,
+)
+from titan_parallel.document_ring import (
+    document_ring_scope,
+    plan_document_ring,
+    shard_by_plan_,
+    unshard_by_plan,
 )
 
 __all__ = [
@@ -335,6 +343,7 @@ def cp_context(
     rotate_method: RotateMethod = "allgather",
     load_balance: bool = True,
     style: CPStyle = "ring",
+    document_ids: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """Run the enclosed forward and backward with the sequence sharded over `cp_mesh`.
 
@@ -348,6 +357,11 @@ def cp_context(
     `style`: "ring" (torch's ring attention, `rotate_method` and `load_balance` as above) or
     "alltoall" (`titan_parallel.alltoall_attention`: contiguous pieces, one per rank, and the
     attention layers `apply_alltoall_cp` wrapped trade heads for the whole sequence).
+
+    `document_ids` (`[batch, seq]`, the whole batch's; ring only): packed documents. The ring
+    then is `titan_parallel.document_ring`'s (positions dealt by the documents' work, each pair
+    of shares under its own document mask, empty pairs skipped) on the attention layers
+    `apply_document_ring_cp` wrapped; the model gets no mask of its own.
     """
     if style not in ("ring", "alltoall"):
         raise ConfigError(
@@ -364,6 +378,10 @@ def cp_context(
             "use 'allgather' or 'alltoall'"
         )
     _check_buffers(buffers, seq_dims, cp_mesh, load_balance=load_balance)
+    if document_ids is not None:
+        with _document_ring_context(cp_mesh, buffers, seq_dims, no_restore_buffers, document_ids):
+            yield
+        return
 
     internals = _cp_internals()
     context_parallel = _FOUND["torch.distributed.tensor.experimental.context_parallel"]
@@ -401,6 +419,25 @@ def _alltoall_context(
     full = shard_sequence_(list(buffers), list(seq_dims), cp_mesh.get_local_rank(), cp_mesh.size())
     try:
         with alltoall_scope():
+            yield
+    finally:
+        restored = [(b, f) for b, f in zip(buffers, full) if id(b) not in keep]
+        restore_([b for b, _ in restored], [f for _, f in restored])
+
+
+@contextlib.contextmanager
+def _document_ring_context(
+    cp_mesh: DeviceMesh,
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    no_restore_buffers: set[torch.Tensor] | None,
+    document_ids: torch.Tensor,
+) -> Iterator[None]:
+    plan = plan_document_ring(document_ids, cp_mesh.size(), cp_mesh.get_local_rank())
+    keep = {id(b) for b in no_restore_buffers or ()}
+    full = shard_by_plan_(list(buffers), list(seq_dims), plan)
+    try:
+        with document_ring_scope(plan):
             yield
     finally:
         restored = [(b, f) for b, f in zip(buffers, full) if id(b) not in keep]
@@ -458,11 +495,16 @@ def cp_unshard(
     *,
     load_balance: bool = True,
     style: CPStyle = "ring",
+    document_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Gather sequence shards (e.g. logits made under `cp_context`) back into full sequences,
-    undoing the load-balancing order (the ring's; all-to-all's pieces are in rank order)."""
+    undoing the load-balancing order (the ring's, or with `document_ids` the documents'
+    dealing; all-to-all's pieces are in rank order)."""
     if style == "alltoall":
         return gather_sequence_pieces(cp_mesh, list(tensors), list(seq_dims))
+    if document_ids is not None:
+        plan = plan_document_ring(document_ids, cp_mesh.size(), cp_mesh.get_local_rank())
+        return unshard_by_plan(cp_mesh, list(tensors), list(seq_dims), plan)
     internals = _cp_internals()
     context_parallel_unshard = _FOUND[
         "torch.distributed.tensor.experimental._attention.context_parallel_unshard"

@@ -26,6 +26,7 @@ from titan_parallel.config import (
 )
 from titan_parallel.context_parallel import resolve_cp_style
 from titan_parallel.data_parallel import apply_ddp, apply_fsdp
+from titan_parallel.document_ring import apply_document_ring_cp
 from titan_parallel.expert_parallel import apply_ep, moe_layers, tp_plan_overlaps
 from titan_parallel.tensor_parallel import apply_tp, copy_block_inputs
 from titan_parallel.tied import keep_ties_on_conversion
@@ -58,7 +59,8 @@ def parallelize(
     `model.to_empty()` / `.to()` keep it tied (plain PyTorch unties it there).
     Under context parallel, `cp_style` (default: `parallelism.context_parallel_style`, "auto"
     resolved by `resolve_cp_style` on this model) "alltoall" wraps the attention layers
-    (`apply_alltoall_cp`); run the model inside `cp_context(..., style=)` of the same style.
+    (`apply_alltoall_cp`), "ring" wraps them for packed documents (`apply_document_ring_cp`:
+    used only when `cp_context` gets `document_ids`); run the model inside `cp_context(..., style=)` of the same style.
     Returns `model`.
     """
     parallelism = parallelism or Parallelism()
@@ -96,6 +98,8 @@ def parallelize(
     )
     if style == "alltoall":
         apply_alltoall_cp(model, dims.mesh("cp"))
+    elif style == "ring":  # the ring over packed documents, when cp_context gets document ids
+        apply_document_ring_cp(model, dims.mesh("cp"))
     apply_ac(model, ac)
     if dims.tp_enabled:
         copy_block_inputs(model)

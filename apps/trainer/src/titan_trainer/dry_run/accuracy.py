@@ -36,6 +36,14 @@ _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 # Small layouts of the debug model (fp32) whose peaks are compared.
 _SHARD = "--parallelism.data_parallel_shard_degree"
+_CP2 = [
+    "--parallelism.context_parallel_degree",
+    "2",
+    _SHARD,
+    "1",
+    "--parallelism.context_parallel_style",
+]
+_DOCUMENTS = ["--model.attn_mask_type", "block_causal"]
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "1 process": (1, []),
     "FSDP 2": (2, []),
@@ -43,6 +51,9 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "FSDP 2 x TP 2": (4, ["--parallelism.tensor_parallel_degree", "2"]),
     "PP 2 (1F1B)": (2, ["--parallelism.pipeline_parallel_degree", "2"]),
     "CP 2": (2, ["--parallelism.context_parallel_degree", "2", _SHARD, "1"]),
+    "CP 2 all-to-all, packed documents": (2, [*_CP2, "alltoall", *_DOCUMENTS]),
+    "CP 2 ring": (2, [*_CP2, "ring"]),
+    "CP 2 ring, packed documents": (2, [*_CP2, "ring", *_DOCUMENTS]),
     "FSDP 2 + AC full": (2, ["--activation_checkpoint.mode", "full"]),
     "FSDP 2 + AC selective op": (2, ["--activation_checkpoint.mode", "selective"]),
     "FSDP 2 + Float8": (2, ["--model.converters", "quantize.linear.float8"]),

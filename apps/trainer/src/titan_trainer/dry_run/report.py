@@ -103,7 +103,8 @@ def dry_run(config: JobConfig, out=print) -> int:
         out(ConfigError(problems).render())
         return EXIT_CONFIG
 
-    out(_header(config, world_size, capacity_text))
+    cp_style = checked.layout.cp_style() if checked.layout is not None else None
+    out(_header(config, world_size, capacity_text, cp_style))
     if assumed is not None:
         out(f"note: {assumed}")
     try:
@@ -157,7 +158,9 @@ def first_line(problem: str) -> str:
     return problem.splitlines()[0]
 
 
-def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
+def _header(
+    config: JobConfig, world_size: int, capacity_text: str, cp_style: str | None = None
+) -> str:
     dims = config.parallelism.build_parallel_dims(world_size)
     t = config.training
     dtype = dtype_text(t)
@@ -166,12 +169,14 @@ def _header(config: JobConfig, world_size: int, capacity_text: str) -> str:
         extra.append(", ".join(config.model.converters))
     if dims.pp_enabled:
         extra.append(f"{config.parallelism.pipeline_parallel_schedule} schedule")
+    if config.model.attn_mask_type == "block_causal":
+        extra.append("packed documents")
     compiled = (
         f"; compiled code as {config.compile.backend} runs it" if config.compile.enable else ""
     )
     return (
         f"titan dry run: {config.model.name} {config.model.flavor} on {world_size} x {capacity_text}\n"
-        f"layout {layout_text(dims)} | seq {t.seq_len} | local batch {t.local_batch_size}"
+        f"layout {layout_text(dims, cp_style)} | seq {t.seq_len} | local batch {t.local_batch_size}"
         f" | {dtype} | {' | '.join(extra)}\n"
         f"simulated on fake tensors of the real size (no memory used){compiled}"
     )

@@ -289,6 +289,15 @@ def measure_rank(
     runtime = build_parallel_runtime(
         config, dims, torch.device("cpu"), dtype, seed, cross_entropy_loss
     )
+    if (
+        config.model.attn_mask_type == "block_causal"
+        and dims.cp_enabled
+        and layout.cp_style() == "ring"
+    ):
+        # The ring over packed documents (its masks, its exchanges) is simulated with one
+        # document per row, its most work: fake ids cannot be read, and the measured step's
+        # random tokens never hold `vocab_size`, so both plan the same ring.
+        runtime.document_start_id = vocab_size
     converters = build_converters(config, dims)
     stage_io = (
         _probe_stage_io(config, layout.spec, runtime, vocab_size, converters, fake)
