@@ -209,22 +209,6 @@ def test_block_causal_attention_runs_with_either_context_parallel_style():
     assert check_config(load_config(JobConfig, cp3), 3).cp_style() == "ring"
 
 
-def test_block_causal_ring_context_parallel_is_refused_with_pipeline_parallel():
-    args = [
-        *("--model.attn_mask_type", "block_causal", "--parallelism.context_parallel_degree", "2"),
-        *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_style"),
-    ]
-    text = problems([*args, "ring"], world_size=4)
-    assert (
-        "[model] attn_mask_type = 'block_causal' with ring context parallel"
-        " (context_parallel_style = 'ring') does not work with pipeline parallel"
-        " (pipeline_parallel_degree = 2): the ring builds each pair of chunks' document masks"
-        " for the whole local batch, not for the pipeline's microbatches" in text
-    ), text
-    assert "use context_parallel_style = 'alltoall' with a context_parallel_degree" in text
-    assert check_config(load_config(JobConfig, [*args, "alltoall"]), 4).cp_style() == "alltoall"
-
-
 def test_alltoall_context_parallel_needs_heads_that_divide_by_its_degree():
     # The debug model has 16 query heads: 3 ranks cannot share them evenly.
     args = ["--parallelism.context_parallel_degree", "3", "--training.seq_len", "96"]

@@ -88,6 +88,12 @@ BLOCK_CAUSAL_LAYOUTS = {
         tensor_parallel_degree=2,
         context_parallel_style="ring",
     ),
+    "cp2_pp2_ring": dict(
+        data_parallel_shard_degree=1,
+        context_parallel_degree=2,
+        pipeline_parallel_degree=2,
+        context_parallel_style="ring",
+    ),
 }
 # How each layout computes the mask (`block_causal_impl`), against the one-process dense mask:
 # varlen under TP (each rank cuts its own heads by the same cu_seqlens), dense under PP; under
@@ -103,6 +109,7 @@ BLOCK_CAUSAL_IMPL = {
     "cp2_fsdp2_ring": "varlen",
     "cp4_ring": "varlen",
     "cp2_tp2_ring": "varlen",
+    "cp2_pp2_ring": "varlen",  # made for its ids (each microbatch's rows), not attended under
 }
 
 

@@ -319,3 +319,21 @@ def test_each_cuda_kernel_matches_the_dense_mask_on_tricky_packings_in_bfloat16(
                 what,
                 error,
             )
+
+
+def test_every_mask_keeps_its_ids_and_varlen_takes_fake_ids_as_one_document_per_row():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_core import DocumentMask
+    from titan_models.block_causal import build_attention_mask, document_offsets
+
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+    for impl in ("dense", "varlen"):
+        mask = build_attention_mask(ids, impl=impl)
+        assert isinstance(mask, DocumentMask) and mask.document_ids is ids
+    cu, longest = document_offsets(ids)
+    assert cu.tolist() == [0, 2, 5, 6, 7, 12] and longest == 5
+    # A memory estimate's fake ids cannot be read: one document per row, the most work.
+    with FakeTensorMode():
+        cu, longest = document_offsets(torch.zeros(2, 6, dtype=torch.long))
+        assert cu.shape == (3,) and longest == 6

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from titan_core import HeadAttention
+from titan_core import DocumentMask, HeadAttention
 from titan_parallel import document_ring
 from titan_parallel.document_ring import (
     apply_document_ring_cp,
@@ -115,6 +115,44 @@ def case(mesh, packing: str, heads: int, kv: int, plain: bool) -> dict:
     return errors
 
 
+class RowsMask(DocumentMask):
+    """A model's mask for some rows of the batch (a pipeline's microbatch): only its ids."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.document_ids = ids
+
+
+def rows_case(mesh, compiled: bool) -> dict:
+    """The plan is made for the whole batch; a layer given rows 1.. of it (a microbatch) with
+    their ids in the model's mask attends under those rows' masks. `compiled`: the layer's
+    attend compiled (the ring runs eagerly inside)."""
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    g = torch.Generator().manual_seed(5)
+    batch = 3
+    q, k, v = (torch.randn(batch, 4, S, D, generator=g) for _ in range(3))
+    ids = torch.cat([PACKINGS["lognormal_mix"](), PACKINGS["many_documents_in_one_chunk"]()])[
+        :batch
+    ]
+    rows = slice(1, batch)
+    ref = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+    full = dense_mask(ids)
+    out = whole_attention(*ref, full[rows])
+    (out * out.detach().sin()).sum().backward()
+    plan = plan_document_ring(ids, cp, rank)
+    mine = plan.positions(rank)
+    layer = Layer(4, 4)
+    apply_document_ring_cp(layer, mesh)
+    attend = torch.compile(layer.attend, backend="aot_eager") if compiled else layer.attend
+    local = [t[rows][:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    with document_ring_scope(plan):
+        got = attend(*local, RowsMask(ids[rows]))
+    (got * got.detach().sin()).sum().backward()
+    errors = {"out": (got - out[:, :, mine]).abs().max().item()}
+    for name, m, r in zip("qkv", local, ref):
+        errors[f"grad_{name}"] = (m.grad - r.grad[:, :, mine]).abs().max().item()
+    return errors
+
+
 def sharding_case(mesh) -> dict:
     """`cp_context(style="ring", document_ids=...)`: the plan's positions kept, the model's
     table given back whole, `cp_unshard` puts the shares back in sequence order."""
@@ -160,6 +198,11 @@ def worker(rank: int, port: int, queue) -> None:
             report[name] = case(meshes[cp], *args)
         except Exception:
             report[name] = {"error": traceback.format_exc()}
+    for name, compiled in (("rows", False), ("rows_compiled", True)):
+        try:
+            report[name] = rows_case(meshes[2], compiled)
+        except Exception:
+            report[name] = {"error": traceback.format_exc()}
     try:
         report["sharding"] = sharding_case(meshes[4])
     except Exception:
@@ -189,6 +232,14 @@ def reports() -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_document_ring_equals_block_causal_attention_in_one_process(reports, name):
+    for rank in range(WORLD):
+        errors = reports[rank][name]
+        assert "error" not in errors, errors.get("error")
+        assert max(errors.values()) < TOLERANCE, (rank, errors)
+
+
+@pytest.mark.parametrize("name", ["rows", "rows_compiled"])
+def test_a_microbatchs_rows_attend_under_their_own_documents(reports, name):
     for rank in range(WORLD):
         errors = reports[rank][name]
         assert "error" not in errors, errors.get("error")

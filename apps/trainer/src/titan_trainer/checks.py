@@ -128,27 +128,14 @@ def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -
     mask, all-to-all the model's whole-sequence mask.)"""
     if layout is None or not layout.dims.cp_enabled:
         return []  # no model built where nothing here reads it
+    if config.parallelism.context_parallel_style != "alltoall":
+        return []
     model = _readable_model(config, layout)
     if model is None:
         return []
-    dims, asked = layout.dims, config.parallelism.context_parallel_style
+    dims = layout.dims
     why = titan_parallel.alltoall_heads_problems(model, dims.tp, dims.cp)
-    if asked == "alltoall":
-        return [f"[parallelism] context_parallel_style = 'alltoall': {p}" for p in why]
-    takes_ring = asked == "ring" or why  # "auto"'s rule (titan_parallel.resolve_cp_style)
-    if config.model.attn_mask_type != "block_causal" or not takes_ring or not dims.pp_enabled:
-        return []
-    # The pipeline cuts the batch into microbatches the ring cannot tell apart, and each needs
-    # its own rows' document masks.
-    took = f"; 'auto' took the ring because {why[0].splitlines()[0]}" if asked == "auto" else ""
-    return [
-        f"[model] attn_mask_type = 'block_causal' with ring context parallel"
-        f" (context_parallel_style = {asked!r}) does not work with pipeline parallel"
-        f" (pipeline_parallel_degree = {dims.pp}): the ring builds each pair of chunks'"
-        f" document masks for the whole local batch, not for the pipeline's microbatches{took}"
-        "\nuse context_parallel_style = 'alltoall' with a context_parallel_degree that divides"
-        " the query heads per TP rank, or pipeline_parallel_degree = 1"
-    ]
+    return [f"[parallelism] context_parallel_style = 'alltoall': {p}" for p in why]
 
 
 def _readable_model(config: JobConfig, layout: Layout | None):

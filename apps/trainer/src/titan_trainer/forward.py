@@ -89,9 +89,13 @@ class MicrobatchRunner:
     def model_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the model's forward gets besides the tokens: `document_ids` (`[batch, seq]`,
         the documents started so far at each position) for block-causal attention. Under ring
-        context parallel the ring takes them instead (see `_contexts`), and builds each pair of
-        chunks' mask itself."""
-        if self.document_start_id is None or self._documents_go_round_the_ring:
+        context parallel the ring takes them (see `_contexts`) and builds each pair of chunks'
+        mask itself; the model gets them only under pipeline parallel, whose schedule cuts them
+        into its microbatches with the tokens, for the ring to read each microbatch's rows off
+        the model's mask (`titan_core.DocumentMask`)."""
+        if self.document_start_id is None:
+            return {}
+        if self._documents_go_round_the_ring and self.form.pipeline is None:
             return {}
         return {"document_ids": self._document_ids(inputs)}
 

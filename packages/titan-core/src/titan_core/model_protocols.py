@@ -188,6 +188,16 @@ class HeadAttention:
         raise NotImplementedError(f"{type(self).__name__}.attention_heads")
 
 
+class DocumentMask:
+    """A block-causal mask that keeps the document ids it was made from, for a model's mask
+    type to inherit: `document_ids` (`[batch, seq]`, the whole sequence's, each document a run
+    of equal ids; None where the mask was made without them). Ring context parallel over packed
+    documents (titan-parallel) builds each pair of chunks' mask itself, from the ids of the
+    rows the layer is given (a pipeline's microbatch, say), and reads them here."""
+
+    document_ids: torch.Tensor | None = None
+
+
 # ----------------------------------------------------------------------------- what a trainer reads
 
 

@@ -31,6 +31,7 @@ from titan_core.hf_protocols import (  # noqa: F401
     is_sliced_hf_adapter,
 )
 from titan_core.model_protocols import (  # noqa: F401
+    DocumentMask,
     ExpertArgs,
     ExpertSplit,
     HeadAttention,

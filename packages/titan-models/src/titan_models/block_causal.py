@@ -28,6 +28,10 @@ and each attention layer calls `attend_block_causal(q, k, v, mask)`. `impl` pick
   bookkeeping is tested where there is no GPU.
 - `auto` (default): `flex` on CUDA, `dense` elsewhere.
 
+Every form keeps the ids it was made from (`AttentionMask.document_ids`, titan-core's
+`DocumentMask`): ring context parallel over packed documents (titan-parallel's
+`document_ring`) builds each pair of chunks' mask from the ids of the rows a layer is given.
+
 Every mask has no head dimension, so tensor parallel (heads split over ranks) needs nothing
 more. `check_block_causal(device, impl)` computes one implementation as a model on `device`
 does and compares it with the dense mask, forward and backward, in float32 and bfloat16: the
@@ -42,8 +46,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from titan_core.compat import accepts, note_missing
+from titan_core.model_protocols import DocumentMask
 
 BlockCausalImpl = Literal["auto", "dense", "flex", "varlen"]
 BLOCK_CAUSAL_IMPLS: tuple[str, ...] = ("auto", "dense", "flex", "varlen")
@@ -57,9 +63,9 @@ def document_ids(tokens: torch.Tensor, bos_id: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class AttentionMask:
+class AttentionMask(DocumentMask):
     """The block-causal mask of one batch, in the form its implementation runs (one of the
-    three is set)."""
+    three is set), with the document ids it was made from."""
 
     block_mask: object | None = None
     """FlexAttention's `BlockMask` (`flex`)."""
@@ -70,6 +76,8 @@ class AttentionMask:
     document cut by a row's end ends there (rows never share a document)."""
     max_seqlen: int = 0
     """The longest document's length (`varlen`)."""
+    document_ids: torch.Tensor | None = None
+    """The `[batch, seq]` ids the mask was made from."""
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -95,14 +103,14 @@ def build_attention_mask(
         impl = "flex" if flex else "dense"
     impl = resolve_impl(impl, ids.device)
     if impl == "flex":
-        return AttentionMask(block_mask=flex_block_mask(ids))
+        return AttentionMask(block_mask=flex_block_mask(ids), document_ids=ids)
     if impl == "varlen":
         cu_seqlens, max_seqlen = document_offsets(ids)
-        return AttentionMask(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return AttentionMask(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, document_ids=ids)
     seq = ids.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
     same = ids[:, :, None] == ids[:, None, :]
-    return AttentionMask(dense=(same & causal)[:, None])
+    return AttentionMask(dense=(same & causal)[:, None], document_ids=ids)
 
 
 def same_document_and_causal(ids: torch.Tensor):
@@ -133,7 +141,12 @@ def flex_block_mask(ids: torch.Tensor):
 def document_offsets(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(`cu_seqlens`, `max_seqlen`) of the documents of `ids` in the batch flattened row after
     row: a document starts where a row starts or its id changes. One host sync per batch (the
-    count of documents and the longest), not per layer."""
+    count of documents and the longest), not per layer. On fake tensors (a memory estimate,
+    whose ids cannot be read): one document per row."""
+    if is_fake(ids) or ids.device.type == "meta":
+        batch, seq = ids.shape
+        rows = torch.arange(0, batch * seq + 1, seq, device=ids.device, dtype=torch.int32)
+        return rows, seq
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     offsets = starts.flatten().nonzero().flatten()

@@ -34,14 +34,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_core import HeadAttention
+from titan_core import DocumentMask, HeadAttention
 from titan_parallel.alltoall_attention import gather_sequence_pieces, keep_positions_
 
 __all__ = [
@@ -108,6 +109,28 @@ class DocumentRing:
             if seen:
                 pairs.append((a, seen))
         return pairs
+
+    def for_rows(self, ids: torch.Tensor) -> DocumentRing:
+        """The plan for some rows of the batch (`ids`: their `[rows, seq]` document ids): the
+        same dealing of positions, the chunk pairs and masks of those rows. Made once per ids
+        tensor (one host copy of it), then looked up."""
+        if ids is self.ids:
+            return self
+        key = ("rows", id(ids))
+        if key not in self._masks:
+            if self.fake or _is_fake(ids):
+                plan = replace(self, ids=ids, _masks={})
+            else:
+                rows = ids.detach().to("cpu")
+                plan = (
+                    self
+                    if torch.equal(rows, self.ids)
+                    else replace(
+                        self, ids=rows, blocks=_blocks_with_work(rows, len(self.blocks)), _masks={}
+                    )
+                )
+            self._masks[key] = (ids, plan)  # ids kept: its id() stays its own meanwhile
+        return self._masks[key][1]
 
     def has_work(self, rank: int, source: int) -> bool:
         return any(self.blocks[q][k] for q in self.owned[rank] for k in self.owned[source])
@@ -209,8 +232,6 @@ def plan_document_ring(
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return t.device.type == "meta" or is_fake(t)
 
 
@@ -296,6 +317,10 @@ def _over_documents(attend: Callable, cp_mesh: DeviceMesh) -> Callable:
         plan = _SCOPE.plan
         if plan is None:
             return attend(q, k, v, mask)
+        # The rows this layer is given (a pipeline's microbatch) bring their own ids in the
+        # model's mask; without one they are the whole batch the plan was made for.
+        if isinstance(mask, DocumentMask) and mask.document_ids is not None:
+            plan = plan.for_rows(mask.document_ids)
         return ring_document_attention(q, k, v, plan, cp_mesh.get_group())
 
     return attend_ring
@@ -304,6 +329,9 @@ def _over_documents(attend: Callable, cp_mesh: DeviceMesh) -> Callable:
 # ----------------------------------------------------------------------------- the ring
 
 
+# Compiled blocks run the ring eagerly (a graph break around it): its plan is host data read
+# per batch, and its exchanges are point-to-point sends the compiler does not trace.
+@torch.compiler.disable
 def ring_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: DocumentRing, group
 ) -> torch.Tensor:
