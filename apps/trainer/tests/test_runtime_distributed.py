@@ -270,8 +270,11 @@ def reference(model_name: str, block_causal: bool = False, documents: bool | Non
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm)))
         opt.step()
         losses.append(loss.item())
+    with torch.no_grad():  # validation's loss on the trained weights, the same batch
+        evaluated = cross_entropy_loss(model(inputs, **kwargs), labels).item()
     return {
         "losses": losses,
+        "evaluated": evaluated,
         "norms": norms,
         "initial": initial,
         "params": full_state(model),
@@ -323,8 +326,18 @@ def train_case(world: int, model_name: str, layout: str, block_causal: bool = Fa
         norms.append(runtime.clip_grad_norm([part], cfg.training.max_norm))
         opt.step()
         losses.append(runtime.reduce_loss(loss))
+    evaluated = None
+    if block_causal:
+        # Validation's forward (the runner's eval_loss: the same context-parallel sharding
+        # and document masks, the pipeline's forward-only schedule), summed over the ranks as
+        # the trainer's validator sums it.
+        loss_sum, tokens = runtime.reduce_sum(
+            torch.stack(runtime.eval_loss([part], inputs, labels))
+        ).tolist()
+        evaluated = loss_sum / tokens
     return {
         "losses": losses,
+        "evaluated": evaluated,
         "norms": norms,
         "initial": initial,
         "params": full_state(part),
@@ -594,6 +607,9 @@ def test_third_party_model_under_context_parallel_trains_like_one_process(result
 @pytest.mark.parametrize("layout", list(BLOCK_CAUSAL_LAYOUTS))
 def test_block_causal_attention_trains_like_one_process(layout, results, refs):
     _check(results[f"block_causal_{layout}"], refs["block_causal"])
+    # ... and validates like one process (the same tolerance as the training losses).
+    got, ref = results[f"block_causal_{layout}"]["evaluated"], refs["block_causal"]["evaluated"]
+    assert _rel(got, ref) < 1e-4, (got, ref)
     # The mask matters on this batch: plain causal attention trains to other losses, by far
     # more than the tolerance above.
     causal, block = refs["causal_on_documents"]["losses"], refs["block_causal"]["losses"]
