@@ -158,15 +158,6 @@ def _scatter_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, cp: int) -> torch.Te
     return got.transpose(0, 1).reshape(b, cp * h, s // cp, d)
 
 
-def shard_sequence_(
-    buffers: list[torch.Tensor], seq_dims: list[int], rank: int, cp: int
-) -> list[torch.Tensor]:
-    """Cut each buffer in place to its `rank`-th of `cp` contiguous pieces along its sequence
-    dimension; returns full copies to restore from."""
-    length = buffers[0].shape[seq_dims[0]] // cp
-    return keep_positions_(buffers, seq_dims, torch.arange(rank * length, (rank + 1) * length))
-
-
 def keep_positions_(
     buffers: list[torch.Tensor], seq_dims: list[int], positions: torch.Tensor
 ) -> list[torch.Tensor]:
@@ -183,7 +174,7 @@ def keep_positions_(
 
 
 def restore_(buffers: list[torch.Tensor], full: list[torch.Tensor]) -> None:
-    """Give sharded buffers their whole contents back (`shard_sequence_`'s copies)."""
+    """Give sharded buffers their whole contents back (`keep_positions_`'s copies)."""
     for buffer, whole in zip(buffers, full):
         buffer.resize_(whole.shape)
         buffer.copy_(whole)

@@ -39,13 +39,12 @@ from titan_parallel.alltoall_attention import (
     alltoall_heads_problems,
     alltoall_scope,
     gather_sequence_pieces,
+    keep_positions_,
     restore_,
-    shard_sequence_,
 )
 from titan_parallel.document_ring import (
     document_ring_scope,
     plan_document_ring,
-    shard_by_plan_,
     unshard_by_plan,
 )
 
@@ -415,14 +414,11 @@ def _alltoall_context(
     no_restore_buffers: set[torch.Tensor] | None,
 ) -> Iterator[None]:
     _check_buffers(buffers, seq_dims, cp_mesh, load_balance=False)
-    keep = {id(b) for b in no_restore_buffers or ()}
-    full = shard_sequence_(list(buffers), list(seq_dims), cp_mesh.get_local_rank(), cp_mesh.size())
-    try:
-        with alltoall_scope():
-            yield
-    finally:
-        restored = [(b, f) for b, f in zip(buffers, full) if id(b) not in keep]
-        restore_([b for b, _ in restored], [f for _, f in restored])
+    length = buffers[0].shape[seq_dims[0]] // cp_mesh.size()
+    start = cp_mesh.get_local_rank() * length
+    mine = torch.arange(start, start + length)
+    with _kept_positions(buffers, seq_dims, no_restore_buffers, mine), alltoall_scope():
+        yield
 
 
 @contextlib.contextmanager
@@ -434,11 +430,24 @@ def _document_ring_context(
     document_ids: torch.Tensor,
 ) -> Iterator[None]:
     plan = plan_document_ring(document_ids, cp_mesh.size(), cp_mesh.get_local_rank())
+    mine = plan.positions(plan.rank)
+    with _kept_positions(buffers, seq_dims, no_restore_buffers, mine), document_ring_scope(plan):
+        yield
+
+
+@contextlib.contextmanager
+def _kept_positions(
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    no_restore_buffers: set[torch.Tensor] | None,
+    positions: torch.Tensor,
+) -> Iterator[None]:
+    """Buffers cut in place to `positions` inside; afterwards the ones not in
+    `no_restore_buffers` get their whole contents back."""
     keep = {id(b) for b in no_restore_buffers or ()}
-    full = shard_by_plan_(list(buffers), list(seq_dims), plan)
+    full = keep_positions_(list(buffers), list(seq_dims), positions)
     try:
-        with document_ring_scope(plan):
-            yield
+        yield
     finally:
         restored = [(b, f) for b, f in zip(buffers, full) if id(b) not in keep]
         restore_([b for b, _ in restored], [f for _, f in restored])

@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_core import DocumentMask, HeadAttention
-from titan_parallel.alltoall_attention import gather_sequence_pieces, keep_positions_
+from titan_parallel.alltoall_attention import gather_sequence_pieces
 
 __all__ = [
     "DocumentRing",
@@ -264,13 +264,6 @@ def head_tail_imbalance(document_ids: torch.Tensor, cp: int) -> float:
 
 
 # ----------------------------------------------------------------------------- sharding
-
-
-def shard_by_plan_(
-    buffers: list[torch.Tensor], seq_dims: list[int], plan: DocumentRing
-) -> list[torch.Tensor]:
-    """Cut each buffer in place to this rank's positions of `plan`; returns full copies."""
-    return keep_positions_(buffers, seq_dims, plan.positions(plan.rank))
 
 
 def unshard_by_plan(
