@@ -557,7 +557,8 @@ def dryrun_405b(session: nox.Session) -> None:
 @nox.session(name="dryrun-moe", venv_backend="none")
 def dryrun_moe(session: nox.Session) -> None:
     """The dry runs of the large mixture-of-experts configs at their world sizes, each with
-    expert parallel (Qwen3-235B-A22B, DeepSeek-V3 236B and 671B, Llama 4 Scout and Maverick;
+    expert parallel (Qwen3-235B-A22B, DeepSeek-V3 236B and 671B, Llama 4 Scout and Maverick,
+    GPT-OSS 20B and 120B;
     one to three minutes each on a 2-core CPU). The default suite checks their configs and
     their splits at full size without simulating a step (see the trainer README)."""
     for name in MOE_DRY_RUNS:
@@ -614,4 +615,6 @@ MOE_DRY_RUNS = (
     "deepseek_v3_671b",
     "llama4_scout",
     "llama4_maverick",
+    "gpt_oss_20b",
+    "gpt_oss_120b",
 )

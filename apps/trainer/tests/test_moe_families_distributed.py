@@ -1,4 +1,4 @@
-"""DeepSeek-V3 and Llama 4 under the trainer's parallel runtime (`titan_trainer.parallel`) on
+"""DeepSeek-V3, Llama 4 and GPT-OSS under the trainer's parallel runtime (`titan_trainer.parallel`) on
 real gloo process groups, against one process. Four ranks start once and run every case:
 
 - each family's mixture-of-experts model (a dense block first or in between, experts with a
@@ -61,6 +61,13 @@ CASES = [
     ("llama4", "ep2_tp2"),
     ("llama4", "pp2_ep2"),
     ("deepseek_v3", "pp2_ep2"),  # the MTP layer's experts split over EP on the last stage
+    # GPT-OSS: sinks (split by heads under TP), windows of 4 in every other block, biases on
+    # the attention, the router and the experts (b1/b3 split with the experts both ways, the
+    # down bias added once), the clamped SwiGLU.
+    ("gpt_oss", "fsdp4"),
+    ("gpt_oss", "fsdp2_tp2"),
+    ("gpt_oss", "ep2_tp2"),
+    ("gpt_oss", "pp2_ep2"),
 ]
 
 # ----------------------------------------------------------------------------- models
@@ -100,7 +107,20 @@ def llama4(dense: bool = False, vocab: int = 256) -> nn.Module:
     return Llama4Transformer(args)
 
 
+def gpt_oss(vocab: int = 256) -> nn.Module:
+    from titan_models.gpt_oss import GptOssTransformer, gpt_oss_flavors
+
+    base = gpt_oss_flavors["debugmodel"]
+    args = dataclasses.replace(
+        base, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=vocab,
+        moe=dataclasses.replace(_moe(base.moe), num_experts=4), max_seq_len=SEQ, sliding_window=4,
+    )  # fmt: skip
+    model = GptOssTransformer(args)
+    return model
+
+
 MODELS = {
+    "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
     "deepseek_v3_dense": lambda: deepseek_v3(dense=True),
     "llama4": llama4,

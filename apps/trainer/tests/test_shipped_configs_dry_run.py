@@ -30,6 +30,7 @@ CONFIGS = {
     "deepseek_v3_debug": [],
     "deepseek_v3_16b": [],
     "llama4_debug": [],
+    "gpt_oss_debug": [],
 }
 # The large mixture-of-experts configs, each with expert parallel: their simulations take one to
 # three minutes each and run in `uv run nox -s dryrun-moe` (the trainer README has their peaks).
@@ -48,6 +49,12 @@ SESSION_ONLY = {
     "llama4_scout": (64, "dp_shard 64 (ep 16)", [1, 1280, 8192], 108),
     # 128 / EP 8 = 16 per rank, their rows split by FSDP over 32 (dim 5120/32).
     "llama4_maverick": (256, "dp_shard 256 (ep 8)", [16, 160, 8192], 401),
+    # 32 / EP 8 = 4 per rank; EP takes all 8 ranks, so FSDP leaves them whole. Parameters: the
+    # published 20.91B less the two 201,088 x 2,880 vocabulary tables (5.5% of this small
+    # model), which the config's byte tokenizer shrinks to its own vocabulary.
+    "gpt_oss_20b": (8, "dp_shard 8 (ep 8)", [4, 2880, 2880], 20.91 - 1.16),
+    # 128 / EP 8 = 16 per rank, split by FSDP over the 8 ranks EP leaves: 2 each.
+    "gpt_oss_120b": (64, "dp_shard 64 (ep 8)", [2, 2880, 2880], 116.83 - 1.16),
 }
 
 
@@ -122,7 +129,7 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
     sizes = {"debug_model": 1, "llama3_8b": 8, "llama3_8b_128k": 32, "llama3_70b": 64,
              "llama3_405b": 512,
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16, "deepseek_v3_debug": 1,
-             "deepseek_v3_16b": 8, "llama4_debug": 1}  # fmt: skip
+             "deepseek_v3_16b": 8, "llama4_debug": 1, "gpt_oss_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
     if name == "llama3_8b_128k":  # the header names the context-parallel style and the packing
         assert "layout dp_shard 4 x cp 8 all-to-all | seq 131072" in out, out

@@ -42,9 +42,9 @@ OUTCOMES: dict[str, str | None] = {
     "deepseek_v3_debug_model": None,
     "deepseek_v3_16b": None,
     "deepseek_v3_671b": None,  # passes the checks; without expert parallel it does not fit
-    # Model families Titan does not have: gpt-oss, Flux (a diffusion model for images), a
+    "gpt_oss_debug_model": None,
+    # Model families Titan does not have: Flux (a diffusion model for images), a
     # vision-language model, and models run through Hugging Face transformers' own code.
-    "gpt_oss_debug_model": "no titan.models plugin named 'gpt_oss'",
     "flux_debug_model": "unknown section [encoder]",
     "flux_dev_model": "unknown section [encoder]",
     "flux_schnell_model": "unknown section [encoder]",
@@ -212,7 +212,12 @@ def test_each_torchtitan_style_toml_passes_the_dry_run_checks_or_is_refused_by_n
             assert not [n for n in notes if "cannot be loaded" in n], (path.stem, notes)
             assert vocab_size == 1003, (path.stem, vocab_size)
             tokenizer_files += 1
-        if path.stem in ("llama3_debug_model", "llama4_debug_model", "qwen3_moe_debug"):
+        if path.stem in (
+            "llama3_debug_model",
+            "llama4_debug_model",
+            "qwen3_moe_debug",
+            "gpt_oss_debug_model",
+        ):
             # c4_test is the folder torchtitan reads it from, relative to where it runs.
             assert "[training] dataset: c4_test: 1 jsonl file (tests/assets/c4_test)" in notes
     assert tokenizer_files >= 5  # the debug configs that read torchtitan's test tokenizer

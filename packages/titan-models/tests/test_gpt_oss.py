@@ -198,4 +198,4 @@ def test_debug_flavor_builds_and_trains_a_step():
     loss.backward()
     sinks = model.layers["0"].attention.sinks.weight
     assert sinks.grad is not None and sinks.grad.abs().sum() > 0
-    assert model.layers["0"].feed_forward.down_bias.grad.abs().sum() > 0
+    assert model.layers["0"].feed_forward.down_bias.weight.grad.abs().sum() > 0

@@ -137,3 +137,15 @@ def test_cuda_kernels_equal_the_formula(impl, dtype):
         ]
         for got, want in pairs:
             assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_position_only_flex_mask_equals_the_formula(window):
+    """What a layer with a window or sinks runs on CUDA without document ids (forward here:
+    the CPU has no FlexAttention backward)."""
+    from titan_models.block_causal import attend_flex, causal_block_mask
+
+    q, k, v, sinks = _inputs(2, 24)
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    got = attend_flex(q, k, v, causal_block_mask(24, window, q.device), sinks)
+    assert (got - reference(q, k, v, ids, window, sinks)).abs().max() < TOLERANCE

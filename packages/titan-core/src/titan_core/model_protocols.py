@@ -107,6 +107,12 @@ class MoEPlan:
     shared_experts: Mapping[str, ExpertSplit] = field(default_factory=dict)
     """nn.Linear modules every token goes through (shared experts) and their TP split, e.g.
     {"shared_experts.w1": "colwise", "shared_experts.w2": "rowwise", ...}."""
+    output_bias: str | None = None
+    """A module of the layer whose output the layer adds to its combined expert outputs
+    (GPT-OSS's per-expert down-projection biases, weighted by the routing). Under TP its
+    weights become replicated DTensors and its `share` attribute 1/tp: it multiplies its
+    output by `share` and reads its weights with `to_local(grad_placements=[Partial()])`, so
+    that the ranks' partial sums count it once and its gradient is summed over them."""
 
 
 class ParallelizableModel(Protocol):

@@ -33,7 +33,9 @@ from titan_models.block_causal import (
     AttentionMask,
     BlockCausalImpl,
     attend_block_causal,
+    attend_flex,
     build_attention_mask,
+    causal_block_mask,
     check_block_causal,
     document_ids,
     same_document_and_causal,
@@ -82,6 +84,8 @@ def attend(
         return attend_block_causal(q, k, v, mask, window=window, sinks=sinks)
     if window is None and sinks is None:
         return run_attention(q, k, v, backend)
+    if q.device.type == "cuda":  # FlexAttention with a mask of positions alone, made once
+        return attend_flex(q, k, v, causal_block_mask(q.shape[2], window, q.device), sinks)
     positions = torch.arange(q.shape[2], device=q.device)
     return attend_dense(q, k, v, window_band(positions, positions, window), sinks)
 

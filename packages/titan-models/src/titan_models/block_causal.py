@@ -40,6 +40,7 @@ trainer runs it before training with block-causal attention and refuses where it
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal
@@ -141,6 +142,26 @@ def same_document_and_causal(ids: torch.Tensor, window: int | None = None):
     return windowed_mod
 
 
+@functools.cache
+@torch.compiler.disable  # made once per shape, outside any compiled graph
+def causal_block_mask(seq: int, window: int | None, device: torch.device):
+    """FlexAttention's `BlockMask` of causal attention (within a sliding `window`) over `seq`
+    positions, the same for every row and head: what a layer with a window or sinks runs on
+    CUDA without document ids. Made from the positions the attention sees (the whole sequence
+    under tensor or context parallel), once per (seq, window, device)."""
+
+    def mask_mod(b, h, q, kv):
+        allowed = q >= kv
+        return allowed if window is None else allowed & (q - kv < window)
+
+    kwargs = (
+        {"_compile": True}
+        if device.type == "cuda" and accepts(create_block_mask, "_compile")
+        else {}
+    )
+    return create_block_mask(mask_mod, None, None, seq, seq, device=device, **kwargs)
+
+
 def flex_block_mask(ids: torch.Tensor, window: int | None = None):
     """FlexAttention's `BlockMask` for `ids` (and a sliding `window`): one per batch row
     (B = batch, documents differ between rows), shared by every head (H = None), on the
@@ -232,8 +253,6 @@ def attend_block_causal(
 
 
 def _attend_flex(q, k, v, mask: AttentionMask, window: int | None, sinks) -> torch.Tensor:
-    gqa = k.shape[1] != q.shape[1]
-    flex = _flex_attention(q.device.type)
     if window is None:
         block_mask = mask.block_mask
     elif window in mask.windowed:
@@ -244,6 +263,14 @@ def _attend_flex(q, k, v, mask: AttentionMask, window: int | None, sinks) -> tor
             f" layer attends with window {window}\nbuild it with build_attention_mask(ids,"
             f" windows=...) naming every window the model's layers use"
         )
+    return attend_flex(q, k, v, block_mask, sinks)
+
+
+def attend_flex(q, k, v, block_mask, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """FlexAttention of `[batch, heads, seq, head_dim]` tensors under `block_mask`, with the
+    heads' `sinks` (from the log-sum-exp it returns; see `titan_models.local_attention`)."""
+    gqa = k.shape[1] != q.shape[1]
+    flex = _flex_attention(q.device.type)
     if sinks is None:
         return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     out, aux = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))

@@ -271,7 +271,7 @@ class Decoder(nn.Module):
         h, ahead = self._embed(tokens, predicting)
         if kv_cache is not None:
             return self.head(self._continue(h, kv_cache))
-        mask = self.attention_mask(h, document_ids)
+        mask = self.attention_mask(document_ids)
         inputs = {} if mask is None else {"mask": mask}
         tables = [getattr(self, name) for name in self.table_names]
         for key, block in self.layers.items():
@@ -279,17 +279,12 @@ class Decoder(nn.Module):
                 h = block(h, *tables, **inputs)
         return self.head(h, ahead, tables, inputs)
 
-    def attention_mask(self, h: torch.Tensor, document_ids: torch.Tensor | None):
+    def attention_mask(self, document_ids: torch.Tensor | None):
         """The forward's `AttentionMask`, shared by every block: block-causal over
-        `document_ids`, with a FlexAttention mask per sliding window the blocks use. A model
-        with sliding windows or sinks gets one without document ids too (one document per
-        row), so that every layer attends through one mask implementation; None: causal."""
-        args = self.args
-        if document_ids is None and (args.attention_windows() or args.attention_sinks):
-            document_ids = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)
-        return build_attention_mask(
-            document_ids, impl=self.block_causal_impl, windows=args.attention_windows()
-        )
+        `document_ids`, with a FlexAttention mask per sliding window the blocks use; None:
+        causal (each layer applies its own window and sinks, `titan_models.attention.attend`)."""
+        windows = self.args.attention_windows()
+        return build_attention_mask(document_ids, impl=self.block_causal_impl, windows=windows)
 
     def _embed(
         self, tokens: torch.Tensor, predicting: int
@@ -378,5 +373,12 @@ class Decoder(nn.Module):
                 f"multi-token prediction (n_mtp_layers = {self.mtp_depth}) reads the tokens up"
                 f" to {self.mtp_depth} positions ahead, which context parallel puts on other"
                 " ranks\ntrain with n_mtp_layers = 0, or without context parallel"
+            )
+        if self.args.attention_windows() or self.args.attention_sinks:
+            raise ValueError(
+                f"{type(self).__name__}'s sliding-window and sink attention does not run under"
+                " context parallel yet: the ring attends causally over whole chunks, and"
+                " all-to-all would give each rank a subset of the heads but every head's sinks\n"
+                "train it with context_parallel_degree = 1"
             )
         return dict.fromkeys(self.table_names, 0)  # one row per position

@@ -261,6 +261,8 @@ def _apply_layer_tp(layer: nn.Module, plan: MoEPlan, tp_mesh: DeviceMesh, sp: bo
     if shared:
         parallelize_module(layer, tp_mesh, shared)
     _replicate_router(layer.get_submodule(plan.router), tp_mesh, plan.weights_scale_outputs)
+    if plan.output_bias is not None:
+        _count_once(layer.get_submodule(plan.output_bias), tp_mesh)
     if sp:
         _GatherSequence()._apply(layer, tp_mesh)
     target = Shard(1) if sp else Replicate()
@@ -273,14 +275,6 @@ def _replicate_router(router: nn.Module, tp_mesh: DeviceMesh, weights_scale_outp
     tensors again. The routing weights' gradient is summed over the TP ranks when they scale
     the experts' (partial) outputs; the rest of its gradients are whole on every rank."""
 
-    def inputs(_module, args, mesh):
-        return tuple(
-            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
-            else a
-            for a in args
-        )
-
     def outputs(_module, out, mesh):
         summed = [Partial()] if weights_scale_outputs else [Replicate()]
         return tuple(
@@ -290,7 +284,26 @@ def _replicate_router(router: nn.Module, tp_mesh: DeviceMesh, weights_scale_outp
             for i, o in enumerate(out)
         )
 
-    distribute_module(router, tp_mesh, input_fn=inputs, output_fn=outputs)
+    distribute_module(router, tp_mesh, input_fn=_replicated_inputs, output_fn=outputs)
+
+
+def _count_once(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A module whose output joins the layer's partial sums (one per TP rank) but is whole on
+    every rank (`MoEPlan.output_bias`): its weights become replicated DTensors, and each rank
+    adds `share` = 1/tp of its output, its weights' gradients summed over the ranks."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
+        module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+    module.share = 1.0 / tp_mesh.size()
+
+
+def _replicated_inputs(_module, args, mesh):
+    return tuple(
+        DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+        else a
+        for a in args
+    )
 
 
 def _sum_grad_over(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -4,7 +4,7 @@ checkpoints, through `titan_models.hf_adapter`, which documents the conversion a
 Renames, plus one rearrangement: Hugging Face stacks each layer's experts as ours are, (experts,
 in, out), but keeps the gate and up projections in one tensor with their columns interleaved
 (`gate_up_proj[..., 0::2]` is our `w1`, `[..., 1::2]` our `w3`; likewise their biases):
-`Interleaved`. Our per-expert down bias is the layer's (`feed_forward.down_bias`), theirs the
+`Interleaved`. Our per-expert down bias is the layer's (`feed_forward.down_bias.weight`), theirs the
 experts' (`mlp.experts.down_proj_bias`): a rename. The rotary embedding is rotate-half in both,
 so no head permutation. As for Qwen3-MoE, the load-balancing state Hugging Face has no place
 for (the expert bias, the router center) exports only while zero.
@@ -82,7 +82,7 @@ class GptOssHFAdapter(DecoderHFAdapter):
         "feed_forward.router.gate.weight": "mlp.router.weight",
         "feed_forward.router.gate.bias": "mlp.router.bias",
         "feed_forward.experts.w2": "mlp.experts.down_proj",
-        "feed_forward.down_bias": "mlp.experts.down_proj_bias",
+        "feed_forward.down_bias.weight": "mlp.experts.down_proj_bias",
     }  # fmt: skip
 
     def transforms(self) -> list[Transform]:

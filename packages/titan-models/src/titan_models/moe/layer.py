@@ -26,12 +26,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
 
 from titan_core.init import ParamInit
 from titan_core.protocols import MoEPlan
 from titan_models.moe.args import MoEArgs
 from titan_models.moe.experts import GroupedExperts
 from titan_models.moe.router import TopKRouter
+
+
+class ExpertOutputBias(nn.Module):
+    """The experts' down-projection biases (`weight`, one row per expert): for each token, the
+    sum over its experts of routing weight x that expert's row, times `share` (1; 1/tp under
+    tensor parallel, whose ranks' outputs are summed: `MoEPlan.output_bias`)."""
+
+    def __init__(self, num_experts: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.share = 1.0
+
+    def forward(self, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`experts`, `weights` (tokens, k) -> (tokens, dim), float32."""
+        w = self.weight
+        if isinstance(w, DTensor):  # replicated over TP: each rank's gradient is a part
+            w = w.to_local(grad_placements=[Partial()])
+        picked = w[experts].float() * weights.unsqueeze(-1).float()
+        return picked.sum(1) * self.share
 
 
 class SwiGLU(nn.Module):
@@ -63,7 +83,7 @@ def moe_init_plan(args: MoEArgs, std: float, out_std: float) -> dict[str, ParamI
     if args.router_bias:
         plan["router.gate.bias"] = zero
     if args.expert_biases:
-        plan |= {"experts.b1": zero, "experts.b3": zero, "down_bias": zero}
+        plan |= {"experts.b1": zero, "experts.b3": zero, "down_bias.weight": zero}
     if args.num_shared_experts:
         plan |= {f"shared_experts.{n}": p for n, p in swiglu_init_plan(std, out_std).items()}
     return plan
@@ -88,9 +108,7 @@ class MoE(nn.Module):
         )
         # The down projection's bias, per expert: added here, weighted as the outputs are,
         # so that under tensor parallel (each rank a partial sum of w2's product) it counts once.
-        self.down_bias = (
-            nn.Parameter(torch.empty(args.num_experts, dim)) if args.expert_biases else None
-        )
+        self.down_bias = ExpertOutputBias(args.num_experts, dim) if args.expert_biases else None
         self.shared_experts = (
             SwiGLU(dim, args.hidden_dim * args.num_shared_experts)
             if args.num_shared_experts
@@ -133,9 +151,8 @@ class MoE(nn.Module):
             routed = self.experts(tokens[token_of], counts)
             routed = routed * weight_of.to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
-        if self.down_bias is not None:  # sum over a token's experts of weight x bias
-            picked = self.down_bias[experts].float() * weights.unsqueeze(-1)
-            out = out + picked.sum(1).to(out.dtype)
+        if self.down_bias is not None:
+            out = out + self.down_bias(experts, weights).to(out.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if a.aux_loss_alpha > 0 and torch.is_grad_enabled():
@@ -173,6 +190,7 @@ class MoE(nn.Module):
         return MoEPlan(
             num_experts=self.args.num_experts,
             expert_weights=weights,
+            output_bias="down_bias" if self.down_bias is not None else None,
             shared_experts=shared,
             weights_scale_outputs=not self.args.score_before_experts,
         )
