@@ -50,9 +50,18 @@ class ScaledEmbedding(nn.Embedding):
     """An embedding multiplied by sqrt(embedding_dim), the factor rounded to the table's
     dtype first (as Gemma's reference does: in bf16, 16 * sqrt(dim) is not exact)."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        scale = math.sqrt(embedding_dim)
+        # Python floats by dtype, rounded once here: no tensor made in the (compiled) forward.
+        self.scales = {
+            dtype: torch.tensor(scale, dtype=dtype, device="cpu").item()
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)
+        }
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = super().forward(tokens)
-        return h * torch.tensor(math.sqrt(self.embedding_dim), dtype=h.dtype).item()
+        return h * self.scales.get(h.dtype, math.sqrt(self.embedding_dim))
 
 
 class GeGLU(SwiGLU):
