@@ -144,7 +144,9 @@ def test_the_flex_attention_path_matches_the_dense_mask_on_cpu_and_its_check_cat
     cpu = torch.device("cpu")
     assert attention.check_block_causal(cpu) == []  # dense, forward and backward
     assert attention.check_block_causal(cpu, "flex", backward=False) == []  # FlexAttention
-    monkeypatch.setattr(block_causal, "same_document_and_causal", lambda ids: _causal_only)
+    monkeypatch.setattr(
+        block_causal, "same_document_and_causal", lambda ids, window=None: _causal_only
+    )
     problems = attention.check_block_causal(cpu, "flex", backward=False)
     assert [p.split(":")[0] for p in problems] == [
         "flex torch.float32 forward",

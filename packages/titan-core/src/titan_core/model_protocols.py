@@ -35,6 +35,7 @@ TPStyle = Literal[
     "output",  # the final projection: colwise, logits vocab-sharded for loss parallel or gathered
     "per_head",  # a module applied to each head of [batch, seq, heads, head_dim] (QK-norm): weights replicated, gradients summed over the ranks' heads
     "head_shared",  # a module whose output each rank combines with its own heads only (MLA's rotary key): weights replicated, the output's gradient summed over the ranks
+    "per_head_param",  # a module whose parameters hold one entry per query head on dim 0 (attention sinks) and which returns them: sharded by heads like the projections, each rank reads its own
     "per_token",  # a module applied to each position alone whose output enters a block (multi-token prediction's eh_proj): weights replicated, run on the sequence shards with SP, output a plain shard
 ]
 """How one submodule is split across the tensor-parallel group (see `TPPlan`)."""

@@ -47,6 +47,11 @@ class DecoderArgs:
     """Multi-token-prediction depth D (num_nextn_predict_layers): in training, D sequential
     layers after the blocks predict the tokens 2..D+1 positions ahead (`titan_models.mtp`);
     DeepSeek-V3 has 1. They are dropped for inference."""
+    attention_bias: bool = False
+    """The attention's four projections have biases (GPT-OSS)."""
+    attention_sinks: bool = False
+    """A learned sink logit per attention head in every layer's softmax (GPT-OSS; see
+    `titan_models.local_attention`)."""
     block_causal_impl: Literal["auto", "dense", "flex", "varlen"] = "auto"
     """How the block-causal mask of a forward with `document_ids` is computed (see
     `titan_models.block_causal`); the trainer's `[model] block_causal_impl`."""
@@ -58,6 +63,16 @@ class DecoderArgs:
     def problems(self) -> list[str]:
         """What is inconsistent in these arguments (none here; each family lists its own)."""
         return []
+
+    def attention_window(self, layer_id: int) -> int | None:
+        """Block `layer_id`'s sliding attention window: a query sees this many positions, its
+        own included; None (every block, unless a family says otherwise): all earlier ones."""
+        return None
+
+    def attention_windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the blocks, smallest first."""
+        windows = {self.attention_window(i) for i in range(self.n_layers)}
+        return tuple(sorted(w for w in windows if w is not None))
 
 
 def head_problems(dim: int, n_heads: int, kv_heads: int, head_dim: int | None = None) -> list[str]:

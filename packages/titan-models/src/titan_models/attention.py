@@ -39,6 +39,7 @@ from titan_models.block_causal import (
     same_document_and_causal,
 )
 from titan_models.generation import LayerCache, causal_mask
+from titan_models.local_attention import HeadSinks, attend_dense, window_band
 from titan_models.rope import apply_rope
 
 __all__ = [
@@ -66,15 +67,23 @@ def attend(
     v: torch.Tensor,
     mask: AttentionMask | None,
     backend: SDPAChoice | None = None,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `[batch, heads, seq, head_dim]` queries, keys and values: causal, or
     block-causal under `mask`. Keys and values may have fewer heads than the queries
     (grouped-query attention: kv head i serves query heads i*r .. (i+1)*r-1); the kernels
     read them in place, which saves the copies (and their backward sums) of repeating them.
-    `backend`: the SDPA kernel of the causal case (None: torch's dispatch picks)."""
-    if mask is None:
+    `backend`: the SDPA kernel of the causal case (None: torch's dispatch picks). `window`:
+    a sliding window of that many positions; `sinks`: the heads' sink logits `[heads]`
+    (`titan_models.local_attention`)."""
+    if mask is not None:
+        return attend_block_causal(q, k, v, mask, window=window, sinks=sinks)
+    if window is None and sinks is None:
         return run_attention(q, k, v, backend)
-    return attend_block_causal(q, k, v, mask)
+    positions = torch.arange(q.shape[2], device=q.device)
+    return attend_dense(q, k, v, window_band(positions, positions, window), sinks)
 
 
 class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
@@ -92,11 +101,15 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads  # unchanged by TP: both head counts are sharded
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
         self.heads = (args.n_heads, args.kv_heads)
+        self.window: int | None = args.attention_window(layer_id)
+        """This layer's sliding window (None: every earlier position)."""
+        self.sinks = HeadSinks(args.n_heads) if args.attention_sinks else None
 
     def attention_heads(self) -> tuple[int, int]:
         return self.heads
@@ -106,12 +119,19 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
         """How the parameters start, by name relative to the attention: `out_std` for `wo`
         (it writes into the residual stream), `std` for the rest."""
         plan = {f"{n}.weight": ParamInit.truncated(std) for n in ("wq", "wk", "wv")}
+        if args.attention_sinks:
+            plan["sinks.weight"] = ParamInit.truncated(std)
+        if args.attention_bias:
+            plan |= {f"w{p}.bias": ParamInit("constant", value=0.0) for p in "qkvo"}
         return plan | {"wo.weight": ParamInit.truncated(out_std)}
 
     @classmethod
     def tp_plan(cls, args) -> dict[str, TPStyle]:
         """How tensor parallel splits it, by name relative to the attention: by heads."""
-        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+        plan: dict[str, TPStyle] = {"wq": "colwise", "wk": "colwise", "wv": "colwise"}
+        if args.attention_sinks:
+            plan["sinks"] = "per_head_param"
+        return plan | {"wo": "rowwise"}
 
     @classmethod
     def divisible_by_tp(cls, args) -> dict[str, int]:
@@ -129,13 +149,22 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
         return apply_rope(q, rope_cache), apply_rope(k, rope_cache)
 
     def attend(self, q, k, v, mask: AttentionMask | None) -> torch.Tensor:
-        """Training: `[batch, heads, seq, head_dim]`, causal or block-causal under `mask`."""
-        return attend(q, k, v, mask, self.sdpa_backend)
+        """Training: `[batch, heads, seq, head_dim]`, causal or block-causal under `mask`,
+        within the layer's window, with its sinks."""
+        sinks = self.sinks() if self.sinks is not None else None
+        return attend(q, k, v, mask, self.sdpa_backend, window=self.window, sinks=sinks)
 
     def attend_cached(self, q, k, v, start: int) -> torch.Tensor:
-        """Generation: queries at `start`.. against every cached key up to their own."""
-        mask = causal_mask(start, q.shape[2], q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_rep > 1)
+        """Generation: queries at `start`.. against every cached key up to their own (within
+        the layer's window, with its sinks)."""
+        if self.window is None and self.sinks is None:
+            mask = causal_mask(start, q.shape[2], q.device)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=self.n_rep > 1
+            )
+        queries = torch.arange(start, start + q.shape[2], device=q.device)
+        allowed = window_band(queries, torch.arange(k.shape[2], device=q.device), self.window)
+        return attend_dense(q, k, v, allowed, self.sinks() if self.sinks is not None else None)
 
     def forward(
         self,

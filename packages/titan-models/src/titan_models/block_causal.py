@@ -40,16 +40,18 @@ trainer runs it before training with block-causal attention and refuses where it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from titan_core.compat import accepts, note_missing
 from titan_core.model_protocols import DocumentMask
+from titan_models.local_attention import attend_dense, window_band
 
 BlockCausalImpl = Literal["auto", "dense", "flex", "varlen"]
 BLOCK_CAUSAL_IMPLS: tuple[str, ...] = ("auto", "dense", "flex", "varlen")
@@ -78,6 +80,9 @@ class AttentionMask(DocumentMask):
     """The longest document's length (`varlen`)."""
     document_ids: torch.Tensor | None = None
     """The `[batch, seq]` ids the mask was made from."""
+    windowed: dict[int, object] = field(default_factory=dict)
+    """FlexAttention's `BlockMask` of each sliding window the model's layers use, by window
+    (`flex`; see `titan_models.local_attention`)."""
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -92,18 +97,24 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def build_attention_mask(
-    ids: torch.Tensor | None, *, impl: str = "auto", flex: bool | None = None
+    ids: torch.Tensor | None,
+    *,
+    impl: str = "auto",
+    flex: bool | None = None,
+    windows: tuple[int, ...] = (),
 ) -> AttentionMask | None:
     """The block-causal mask for `document_ids` `ids` (None: plain causal attention) in the
-    form `impl` runs (see the module). `flex=True/False` is the older spelling of
-    `impl="flex"/"dense"`."""
+    form `impl` runs (see the module); `windows`: the sliding windows of the layers that
+    will attend under it (FlexAttention needs a mask per window). `flex=True/False` is the
+    older spelling of `impl="flex"/"dense"`."""
     if ids is None:
         return None
     if flex is not None:
         impl = "flex" if flex else "dense"
     impl = resolve_impl(impl, ids.device)
     if impl == "flex":
-        return AttentionMask(block_mask=flex_block_mask(ids), document_ids=ids)
+        windowed = {w: flex_block_mask(ids, w) for w in sorted(set(windows))}
+        return AttentionMask(block_mask=flex_block_mask(ids), document_ids=ids, windowed=windowed)
     if impl == "varlen":
         cu_seqlens, max_seqlen = document_offsets(ids)
         return AttentionMask(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, document_ids=ids)
@@ -113,28 +124,34 @@ def build_attention_mask(
     return AttentionMask(dense=(same & causal)[:, None], document_ids=ids)
 
 
-def same_document_and_causal(ids: torch.Tensor):
+def same_document_and_causal(ids: torch.Tensor, window: int | None = None):
     """FlexAttention's mask function for `document_ids` `ids`: query `q` of batch row `b`
-    sees key `kv` when `kv` is not later and is in the same document."""
+    sees key `kv` when `kv` is not later and is in the same document (and, with a `window`
+    W, fewer than W positions back)."""
 
     def mask_mod(b, h, q, kv):
         return (q >= kv) & (ids[b, q] == ids[b, kv])
 
-    return mask_mod
+    if window is None:
+        return mask_mod
+
+    def windowed_mod(b, h, q, kv):
+        return mask_mod(b, h, q, kv) & (q - kv < window)
+
+    return windowed_mod
 
 
-def flex_block_mask(ids: torch.Tensor):
-    """FlexAttention's `BlockMask` for `ids`: one per batch row (B = batch, documents differ
-    between rows), shared by every head (H = None), on the device of `ids`."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def flex_block_mask(ids: torch.Tensor, window: int | None = None):
+    """FlexAttention's `BlockMask` for `ids` (and a sliding `window`): one per batch row
+    (B = batch, documents differ between rows), shared by every head (H = None), on the
+    device of `ids`."""
     batch, seq = ids.shape
     kwargs = {}
     # Compiled on CUDA: the eager build evaluates the mask function on every (q, kv) pair at
     # once, batch x seq^2 booleans (GBs at seq 8192); compiling it on the CPU costs minutes.
     if ids.device.type == "cuda" and accepts(create_block_mask, "_compile"):
         kwargs["_compile"] = True
-    mask_mod = same_document_and_causal(ids)
+    mask_mod = same_document_and_causal(ids, window)
     return create_block_mask(mask_mod, batch, None, seq, seq, device=ids.device, **kwargs)
 
 
@@ -157,8 +174,6 @@ def document_offsets(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @cache
 def _flex_attention(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
-
     if device_type != "cuda":  # CPU: forward only, and compiling it costs minutes there
         return flex_attention
     # Compiled once per process: eager FlexAttention materialises the scores and is slow.
@@ -175,6 +190,7 @@ _VARLEN_CAUSAL = (
     {"window_size": (-1, 0)} if accepts(_varlen_attn, "window_size") else {"is_causal": True}
 )
 _VARLEN_GQA = accepts(_varlen_attn, "enable_gqa")
+_VARLEN_WINDOW = accepts(_varlen_attn, "window_size")
 
 
 def varlen_attention_available() -> bool:
@@ -183,35 +199,85 @@ def varlen_attention_available() -> bool:
 
 
 def attend_block_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-causal attention of `[batch, heads, seq, head_dim]` queries, keys and values
     under `mask`; keys and values may have fewer heads (grouped-query attention, read in
-    place by every kernel)."""
+    place by every kernel). `window` and `sinks`: a sliding window and the heads' sinks
+    (`titan_models.local_attention`)."""
     gqa = k.shape[1] != q.shape[1]
     if mask.block_mask is not None:
-        flex = _flex_attention(q.device.type)
-        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        return _attend_flex(q, k, v, mask, window, sinks)
     if mask.cu_seqlens is not None:
         batch, heads, seq, head_dim = q.shape
         flat = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim) for t in (q, k, v)]
-        if q.device.type == "cuda" and q.dtype in _FLASH_DTYPES:
-            out = _varlen_cuda(*flat, mask.cu_seqlens, mask.max_seqlen)
+        if _varlen_kernel_takes(q, window, sinks):
+            out = _varlen_cuda(*flat, mask.cu_seqlens, mask.max_seqlen, window)
         else:
-            out = _varlen_by_segment(*flat, mask.cu_seqlens)
+            out = _varlen_by_segment(*flat, mask.cu_seqlens, window, sinks)
         return out.reshape(batch, seq, heads, head_dim).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
+    allowed = mask.dense
+    if window is not None:
+        positions = torch.arange(q.shape[2], device=q.device)
+        allowed = allowed & window_band(positions, positions, window)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+    return attend_dense(q, k, v, allowed, sinks)
+
+
+def _attend_flex(q, k, v, mask: AttentionMask, window: int | None, sinks) -> torch.Tensor:
+    gqa = k.shape[1] != q.shape[1]
+    flex = _flex_attention(q.device.type)
+    if window is None:
+        block_mask = mask.block_mask
+    elif window in mask.windowed:
+        block_mask = mask.windowed[window]
+    else:
+        raise ValueError(
+            f"this FlexAttention mask was built for the windows {sorted(mask.windowed)}, and a"
+            f" layer attends with window {window}\nbuild it with build_attention_mask(ids,"
+            f" windows=...) naming every window the model's layers use"
+        )
+    if sinks is None:
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    out, aux = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    # softmax over the keys and the sink = softmax over the keys x Z / (Z + exp(sink))
+    kept = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))
+    return (out * kept.unsqueeze(-1)).type_as(out)
+
+
+def _varlen_kernel_takes(q: torch.Tensor, window: int | None, sinks) -> bool:
+    """Whether torch's variable-length flash attention runs this: on CUDA in its dtypes,
+    without sinks, and with a window only where it takes `window_size`."""
+    if q.device.type != "cuda" or q.dtype not in _FLASH_DTYPES:
+        return False
+    if sinks is not None:
+        note_missing(
+            "variable-length attention with sinks",
+            "attention sinks under block_causal_impl = 'varlen' run SDPA per document; 'flex'"
+            " runs them in one kernel",
+        )
+        return False
+    return window is None or _VARLEN_WINDOW
 
 
 # The dtypes torch's flash-attention kernels (varlen's) take; float32 takes the SDPA path.
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _varlen_cuda(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+def _varlen_cuda(
+    q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None = None
+) -> torch.Tensor:
     """torch's variable-length flash attention on `[tokens, heads, head_dim]`, causal within
-    each document; without `enable_gqa` the kv heads are repeated (the same result, more
-    memory)."""
-    kwargs = dict(_VARLEN_CAUSAL)
+    each document (and within a sliding `window`: W - 1 keys before the query); without
+    `enable_gqa` the kv heads are repeated (the same result, more memory)."""
+    kwargs = dict(_VARLEN_CAUSAL) if window is None else {"window_size": (window - 1, 0)}
     if k.shape[1] != q.shape[1]:
         if _VARLEN_GQA:
             kwargs["enable_gqa"] = True
@@ -222,11 +288,13 @@ def _varlen_cuda(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Te
 
 
 @torch.compiler.disable  # a loop over this batch's documents: one graph per batch otherwise
-def _varlen_by_segment(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def _varlen_by_segment(
+    q, k, v, cu_seqlens: torch.Tensor, window: int | None = None, sinks=None
+) -> torch.Tensor:
     """The variable-length path on devices without a varlen kernel (and in float32 on CUDA):
     causal SDPA on each document segment `cu_seqlens` cuts from the flattened
-    `[tokens, heads, head_dim]`."""
-    if q.device.type == "cuda":
+    `[tokens, heads, head_dim]` (within a sliding `window`, with the heads' `sinks`)."""
+    if q.device.type == "cuda" and q.dtype not in _FLASH_DTYPES:
         note_missing(
             f"{q.dtype} variable-length flash attention",
             "varlen attention in this dtype runs SDPA per document (flash attention takes"
@@ -237,7 +305,12 @@ def _varlen_by_segment(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
     pieces = []
     for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v)), strict=True):
         qs, ks, vs = (t.transpose(0, 1) for t in (qs, ks, vs))  # [heads, length, head_dim]
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        if window is None and sinks is None:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            positions = torch.arange(qs.shape[1], device=qs.device)
+            allowed = window_band(positions, positions, window)
+            out = attend_dense(qs[None], ks[None], vs[None], allowed, sinks)[0]
         pieces.append(out.transpose(0, 1))
     return torch.cat(pieces)
 

@@ -271,13 +271,25 @@ class Decoder(nn.Module):
         h, ahead = self._embed(tokens, predicting)
         if kv_cache is not None:
             return self.head(self._continue(h, kv_cache))
-        mask = build_attention_mask(document_ids, impl=self.block_causal_impl)
+        mask = self.attention_mask(h, document_ids)
         inputs = {} if mask is None else {"mask": mask}
         tables = [getattr(self, name) for name in self.table_names]
         for key, block in self.layers.items():
             if key not in self.head_layers:
                 h = block(h, *tables, **inputs)
         return self.head(h, ahead, tables, inputs)
+
+    def attention_mask(self, h: torch.Tensor, document_ids: torch.Tensor | None):
+        """The forward's `AttentionMask`, shared by every block: block-causal over
+        `document_ids`, with a FlexAttention mask per sliding window the blocks use. A model
+        with sliding windows or sinks gets one without document ids too (one document per
+        row), so that every layer attends through one mask implementation; None: causal."""
+        args = self.args
+        if document_ids is None and (args.attention_windows() or args.attention_sinks):
+            document_ids = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)
+        return build_attention_mask(
+            document_ids, impl=self.block_causal_impl, windows=args.attention_windows()
+        )
 
     def _embed(
         self, tokens: torch.Tensor, predicting: int

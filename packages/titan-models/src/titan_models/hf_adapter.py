@@ -332,7 +332,7 @@ class DecoderHFAdapter:
             "hidden_size": a.dim,
             "hidden_act": "silu",
             "rms_norm_eps": a.norm_eps,
-            "attention_bias": False,
+            "attention_bias": a.attention_bias,
             "vocab_size": a.vocab_size,
             "max_position_embeddings": a.max_seq_len,
             "tie_word_embeddings": a.tie_word_embeddings,

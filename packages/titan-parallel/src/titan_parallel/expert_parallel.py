@@ -128,7 +128,7 @@ def _plan_problems(name: str, layer: nn.Module, plan: MoEPlan) -> list[str]:
             weight = getattr(experts, w, None)
             if not isinstance(weight, torch.Tensor):
                 missing.append(f"{plan.experts}.{w}")
-            elif weight.dim() != 3 or weight.shape[0] != plan.num_experts:
+            elif weight.dim() not in (2, 3) or weight.shape[0] != plan.num_experts:
                 unstacked.append(f"{plan.experts}.{w}")
     missing += [n for n in (plan.router, *plan.shared_experts) if _get(layer, n) is None]
     problems = []
@@ -140,15 +140,16 @@ def _plan_problems(name: str, layer: nn.Module, plan: MoEPlan) -> list[str]:
     if unstacked:
         problems.append(
             f"{name}.moe_plan(): {', '.join(unstacked)} must stack the experts along dimension 0,"
-            f" shaped (num_experts = {plan.num_experts}, in, out)"
+            f" shaped (num_experts = {plan.num_experts}, in, out), or (num_experts, out) for a bias"
         )
     return problems
 
 
 def _tp_problems(name: str, layer: nn.Module, plan: MoEPlan, tp: int) -> list[str]:
     sizes = {
-        f"{plan.experts}.{w}": getattr(_get(layer, plan.experts), w).shape[_SPLIT_DIM[split]]
+        f"{plan.experts}.{w}": weight.shape[_split_dim(weight, split)]
         for w, split in plan.expert_weights.items()
+        if (weight := getattr(_get(layer, plan.experts), w)) is not None
     }
     for module_name, split in plan.shared_experts.items():
         linear = _get(layer, module_name)
@@ -201,15 +202,21 @@ def expert_shards(model: nn.Module) -> list[tuple[nn.Module, ExpertShards]]:
     ]
 
 
+def _split_dim(param: torch.Tensor, split: str) -> int:
+    """The dimension expert TP splits: of a stacked weight (experts, in, out) as `_SPLIT_DIM`
+    says; of a stacked bias (experts, out), its last (a colwise weight's bias)."""
+    return _SPLIT_DIM[split] if param.ndim == 3 else param.ndim - 1
+
+
 def _shard_experts(experts: nn.Module, plan: MoEPlan, dims: ParallelDims) -> None:
     for name, split in plan.expert_weights.items():
         param = experts.get_parameter(name)
         if dims.ep_enabled and dims.tp_enabled:
-            mesh, placements = dims.mesh("ep_tp"), [Shard(0), Shard(_SPLIT_DIM[split])]
+            mesh, placements = dims.mesh("ep_tp"), [Shard(0), Shard(_split_dim(param, split))]
         elif dims.ep_enabled:
             mesh, placements = dims.mesh("ep"), [Shard(0)]
         else:
-            mesh, placements = dims.mesh("tp"), [Shard(_SPLIT_DIM[split])]
+            mesh, placements = dims.mesh("tp"), [Shard(_split_dim(param, split))]
         sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -66,6 +66,23 @@ class _SumOutputGradient(ParallelStyle):
         return module
 
 
+class _ShardByHeads(ParallelStyle):
+    """A module holding one value per query head (attention sinks) and returning it: its
+    parameters are sharded on dim 0 as the heads are, and it returns the rank's own part
+    (a plain tensor, whose gradient lands in the rank's shard)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+
+        def local(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        module.register_forward_hook(local)
+        return module
+
+
 def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle | None:
     """The torch ParallelStyle for one TPStyle, or None when the module stays as it is."""
     seq = Shard(1) if sp else Replicate()
@@ -91,13 +108,15 @@ def _style(style: TPStyle, *, sp: bool, loss_parallel_on: bool) -> ParallelStyle
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if style == "head_shared":
         return _SumOutputGradient()
+    if style == "per_head_param":
+        return _ShardByHeads()
     if style == "per_token":
         # Like a norm under SP, but its output is what the next block's residual adds to:
         # a plain tensor, as the blocks pass on.
         return SequenceParallel(use_local_output=True) if sp else None
     raise ValueError(
         f"unknown TPStyle {style!r}; known: colwise, rowwise, sequence_parallel, block_input,"
-        " embedding, output, per_head, head_shared, per_token"
+        " embedding, output, per_head, head_shared, per_head_param, per_token"
     )
 
 

@@ -13,34 +13,25 @@ whenever `rope_factor > 1`, whatever the sequence length, as in Hugging Face's D
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from titan_models.deepseek_v3.args import DeepSeekV3Args
-from titan_models.rope import rope_frequencies, rope_table
-
-
-def _dimension_of(rotations: float, dim: int, base: float, context: int) -> float:
-    """The (fractional) frequency index whose wavelength fits `rotations` times in `context`."""
-    return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+from titan_models.rope import rope_table, yarn_frequencies, yarn_mscale
 
 
 def build_rope_frequencies(
     args: DeepSeekV3Args, device: torch.device | None = None
 ) -> torch.Tensor:
     """The `qk_rope_head_dim // 2` rotation frequencies (radians per position), float32."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
-    freqs = rope_frequencies(dim, base, device)
-    if args.rope_factor <= 1:
-        return freqs
-    first = max(math.floor(_dimension_of(args.beta_fast, dim, base, args.original_seq_len)), 0)
-    last = min(math.ceil(_dimension_of(args.beta_slow, dim, base, args.original_seq_len)), dim - 1)
-    if first == last:
-        last += 0.001  # a step, not a division by zero
-    index = torch.arange(dim // 2, device=device, dtype=torch.float32)
-    interpolated = ((index - first) / (last - first)).clamp(0, 1)  # 0: keep, 1: divide by factor
-    return freqs * (1 - interpolated) + freqs / args.rope_factor * interpolated
+    return yarn_frequencies(
+        args.qk_rope_head_dim,
+        args.rope_theta,
+        args.rope_factor,
+        args.original_seq_len,
+        args.beta_fast,
+        args.beta_slow,
+        device=device,
+    )
 
 
 def build_rope_cache(args: DeepSeekV3Args, device: torch.device | None = None) -> torch.Tensor:
@@ -50,7 +41,4 @@ def build_rope_cache(args: DeepSeekV3Args, device: torch.device | None = None) -
 
 def softmax_scale(args: DeepSeekV3Args) -> float:
     """The attention logits' scale: 1/sqrt(qk_head_dim), times YaRN's mscale squared."""
-    scale = args.qk_head_dim**-0.5
-    if args.rope_factor > 1:
-        scale *= (0.1 * args.mscale * math.log(args.rope_factor) + 1.0) ** 2
-    return scale
+    return args.qk_head_dim**-0.5 * yarn_mscale(args.rope_factor, args.mscale) ** 2

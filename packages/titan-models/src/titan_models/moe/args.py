@@ -73,6 +73,20 @@ class MoEArgs:
     the mean is a buffer saved with the model (`router_center`), which Hugging Face's formats
     have no place for (export refused once it is non-zero). Not a reference's scheme: the
     debug flavors' (trainer README, "Mixture of experts")."""
+    router_bias: bool = False
+    """The router's gate has a bias (GPT-OSS)."""
+    expert_biases: bool = False
+    """Each expert's three projections have biases (GPT-OSS): the gate and up ones in the
+    experts (`b1`, `b3`), the down one in the layer (`down_bias`, added as the routing
+    weights combine the experts' outputs, so that tensor parallel adds it once)."""
+    activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """The experts' gated unit: silu(gate) * up, or GPT-OSS's clamped form,
+    gate * sigmoid(swiglu_alpha * gate) * (up + 1) with gate clamped above at
+    `swiglu_limit` and up to +-`swiglu_limit`."""
+    swiglu_limit: float = 7.0
+    """`clamped_swiglu`'s clamp."""
+    swiglu_alpha: float = 1.702
+    """`clamped_swiglu`'s sigmoid slope."""
     use_grouped_mm: bool = True
     """Run the experts through one grouped matmul (`torch._grouped_mm`); False: a loop over
     experts (the reference, and the fallback where grouped matmul does not run)."""
@@ -82,7 +96,11 @@ class MoEArgs:
         only the top_k a token goes through) and the shared experts."""
         experts = self.top_k if active else self.num_experts
         shared = 3 * dim * self.hidden_dim * self.num_shared_experts
-        return dim * self.num_experts + 3 * dim * self.hidden_dim * experts + shared
+        per_expert = 3 * dim * self.hidden_dim
+        if self.expert_biases:
+            per_expert += 2 * self.hidden_dim + dim
+        router = dim * self.num_experts + (self.num_experts if self.router_bias else 0)
+        return router + per_expert * experts + shared
 
     def problems(self, dim: int) -> list[str]:
         """What is inconsistent in these arguments for a model of width `dim`."""
@@ -117,6 +135,8 @@ class MoEArgs:
             out.append(f"sinkhorn_iters = {self.sinkhorn_iters} must be 1 or more")
         if self.aux_loss_alpha < 0:
             out.append(f"aux_loss_alpha = {self.aux_loss_alpha} must be 0 (none) or more")
+        if self.activation not in ("swiglu", "clamped_swiglu"):
+            out.append(f"activation = {self.activation!r}: use swiglu or clamped_swiglu")
         if self.score_func not in ("softmax", "sigmoid"):
             out.append(f"score_func = {self.score_func!r}: use softmax or sigmoid")
         if dim <= 0 or self.hidden_dim <= 0:

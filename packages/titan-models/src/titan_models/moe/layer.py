@@ -59,6 +59,11 @@ def moe_init_plan(args: MoEArgs, std: float, out_std: float) -> dict[str, ParamI
     the args alone: a model's plan names the layers a pipeline stage does not hold too."""
     plan = {n: ParamInit.truncated(std) for n in ("router.gate.weight", "experts.w1", "experts.w3")}
     plan["experts.w2"] = ParamInit.truncated(out_std)
+    zero = ParamInit("constant", value=0.0)
+    if args.router_bias:
+        plan["router.gate.bias"] = zero
+    if args.expert_biases:
+        plan |= {"experts.b1": zero, "experts.b3": zero, "down_bias": zero}
     if args.num_shared_experts:
         plan |= {f"shared_experts.{n}": p for n, p in swiglu_init_plan(std, out_std).items()}
     return plan
@@ -71,7 +76,21 @@ class MoE(nn.Module):
             raise ValueError("MoEArgs: " + "; ".join(problems))
         self.args = args
         self.router = TopKRouter(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, args.use_grouped_mm)
+        self.experts = GroupedExperts(
+            dim,
+            args.hidden_dim,
+            args.num_experts,
+            args.use_grouped_mm,
+            biases=args.expert_biases,
+            activation=args.activation,
+            limit=args.swiglu_limit,
+            alpha=args.swiglu_alpha,
+        )
+        # The down projection's bias, per expert: added here, weighted as the outputs are,
+        # so that under tensor parallel (each rank a partial sum of w2's product) it counts once.
+        self.down_bias = (
+            nn.Parameter(torch.empty(args.num_experts, dim)) if args.expert_biases else None
+        )
         self.shared_experts = (
             SwiGLU(dim, args.hidden_dim * args.num_shared_experts)
             if args.num_shared_experts
@@ -114,6 +133,9 @@ class MoE(nn.Module):
             routed = self.experts(tokens[token_of], counts)
             routed = routed * weight_of.to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, token_of, routed.to(tokens.dtype))
+        if self.down_bias is not None:  # sum over a token's experts of weight x bias
+            picked = self.down_bias[experts].float() * weights.unsqueeze(-1)
+            out = out + picked.sum(1).to(out.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         if a.aux_loss_alpha > 0 and torch.is_grad_enabled():
@@ -145,8 +167,12 @@ class MoE(nn.Module):
             if self.shared_experts is not None
             else {}
         )  # fmt: skip
+        weights = {"w1": "colwise", "w3": "colwise", "w2": "rowwise"}
+        if self.args.expert_biases:
+            weights |= {"b1": "colwise", "b3": "colwise"}
         return MoEPlan(
             num_experts=self.args.num_experts,
+            expert_weights=weights,
             shared_experts=shared,
             weights_scale_outputs=not self.args.score_before_experts,
         )

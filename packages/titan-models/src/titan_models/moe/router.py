@@ -55,7 +55,7 @@ class TopKRouter(nn.Module):
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
         # Under a capacity, how many of the last training forward's token-expert choices were
         # re-routed (not among the token's plain top-k): a router that still prefers a few
         # experts shows here, since the capacity keeps its load even.
