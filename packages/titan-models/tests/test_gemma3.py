@@ -127,7 +127,8 @@ def _exported(tmp_path: Path, model: Gemma3Transformer, adapter: Gemma3HFAdapter
     ).eval()
 
 
-@pytest.mark.parametrize("window", [32])
+# Window 32: the whole sequence (local and global blocks agree); 8: a quarter of it.
+@pytest.mark.parametrize("window", [32, 8])
 def test_logits_match_transformers_both_ways(tmp_path, window):
     args = _tiny(window)
     model = build(args).eval()
@@ -176,6 +177,24 @@ def test_state_dict_of_a_transformers_model_loads_with_the_same_logits():
     assert exported.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_the_sliding_window_changes_the_logits_and_decodes_with_a_cache_as_a_full_forward():
+    from conftest import decode_in_pieces
+
+    args = _tiny(window=8)
+    model = build(args).eval()
+    _randomise_norms(model)
+    whole = build(dataclasses.replace(args, sliding_window=32)).eval()
+    whole.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, 32))
+    with torch.no_grad():
+        ours, unwindowed = model(tokens), whole(tokens)
+    # The first 8 positions see the same keys; later ones in the local blocks fewer.
+    assert (ours[:, :8] - unwindowed[:, :8]).abs().max().item() <= 1e-5
+    assert (ours[:, 8:] - unwindowed[:, 8:]).abs().max().item() > 1e-2
+    full, cached, _ = decode_in_pieces(model, args.vocab_size)
+    assert (cached - full).abs().max().item() <= 1e-5  # fp32, as the other families' test
 
 
 def test_the_family_is_registered_as_gemma3():
