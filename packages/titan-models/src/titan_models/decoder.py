@@ -271,7 +271,8 @@ class Decoder(nn.Module):
         h, ahead = self._embed(tokens, predicting)
         if kv_cache is not None:
             return self.head(self._continue(h, kv_cache))
-        mask = self.attention_mask(h, document_ids)
+        # The first stage's tokens, not h: sequence parallel leaves h a shard of the sequence.
+        mask = self.attention_mask(tokens if self.tok_embeddings is not None else h, document_ids)
         inputs = {} if mask is None else {"mask": mask}
         tables = [getattr(self, name) for name in self.table_names]
         for key, block in self.layers.items():
@@ -283,7 +284,8 @@ class Decoder(nn.Module):
         """The forward's `AttentionMask`, shared by every block: block-causal over
         `document_ids`, with a FlexAttention mask per sliding window the blocks use. A model
         with sliding windows or sinks gets one without document ids too (one document per
-        row), so that every layer attends through one mask implementation; None: causal."""
+        row of `h`, `[batch, seq, ...]`: the tokens or the hidden states), so that every layer
+        attends through one mask implementation; None: causal."""
         args = self.args
         if document_ids is None and (args.attention_windows() or args.attention_sinks):
             document_ids = torch.zeros(h.shape[:2], dtype=torch.long, device=h.device)
