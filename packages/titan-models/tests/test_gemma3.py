@@ -211,3 +211,18 @@ def test_readme_flavor_table_lists_every_flavor_with_its_exact_size():
     for name, args in gemma3_flavors.items():
         row = next(r for r in rows if r.startswith(f"| `{name}` |"))
         assert f"{gemma3_param_count(args):,}" in row, name
+
+
+def test_the_embedding_scale_is_rounded_to_the_tables_dtype_as_transformers_rounds_it():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    from titan_models.gemma3.model import ScaledEmbedding
+
+    ours = ScaledEmbedding(50, 1152).to(torch.bfloat16)
+    theirs = Gemma3TextScaledWordEmbedding(50, 1152, padding_idx=0, embed_scale=1152**0.5)
+    theirs = theirs.to(torch.bfloat16)
+    theirs.embed_scale.fill_(1152**0.5)  # a buffer: float32, made in __init__ only
+    theirs.weight.data.copy_(ours.weight.data)
+    tokens = torch.arange(50)[None]
+    assert ours.scales[torch.bfloat16] == 34.0  # sqrt(1152) = 33.94 in bf16
+    assert torch.equal(ours(tokens), theirs(tokens))
