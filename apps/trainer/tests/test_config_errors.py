@@ -19,7 +19,7 @@ def problems(args, world_size=1) -> str:
 
 def test_unknown_model_name_lists_installed_models():
     assert problems(["--model.name", "llama-3"]) == (
-        "titan: config error: [model] name = 'llama-3': no titan.models plugin named 'llama-3'; installed: deepseek_v3, llama3, llama4, qwen3\n"
+        "titan: config error: [model] name = 'llama-3': no titan.models plugin named 'llama-3'; installed: deepseek_v3, gemma3, gpt_oss, llama3, llama4, qwen3\n"
         "       did you mean llama3?\n"
         "       install a package that registers it under the entry-point group 'titan.models', or give an import path as module:attr"
     )
@@ -174,7 +174,9 @@ def test_torchtitan_style_configs_load(tmp_path):
     configs = Path(__file__).resolve().parents[1] / "configs"
     for path in sorted(configs.glob("*.toml")):
         cfg = load_config(JobConfig, ["--job.config_file", str(path)])
-        family = next(f for f in ("qwen3", "deepseek_v3", "llama4", "") if path.stem.startswith(f))
+        family = next(
+            f for f in ("qwen3", "deepseek_v3", "llama4", "gemma3", "") if path.stem.startswith(f)
+        )
         assert cfg.model.name == (family or "llama3")
 
 

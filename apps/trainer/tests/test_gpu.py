@@ -51,6 +51,7 @@ SHIPPED = {
     "deepseek_v3_671b": "deepseek_v3",
     "llama4_scout": "llama4",
     "llama4_maverick": "llama4",
+    "gemma3_27b": "gemma3",
 }
 ONE_GPU = [
     "--parallelism.data_parallel_replicate_degree", "1",

@@ -1,4 +1,4 @@
-"""DeepSeek-V3, Llama 4 and GPT-OSS under the trainer's parallel runtime (`titan_trainer.parallel`) on
+"""DeepSeek-V3, Llama 4, GPT-OSS and Gemma 3 under the trainer's parallel runtime (`titan_trainer.parallel`) on
 real gloo process groups, against one process. Four ranks start once and run every case:
 
 - each family's mixture-of-experts model (a dense block first or in between, experts with a
@@ -12,7 +12,11 @@ real gloo process groups, against one process. Four ranks start once and run eve
   titan-models' `MoE.moe_plan()` with nothing of their own: EP 4 (DeepSeek-V3's group-limited
   sigmoid routing and bias balancing over 4 ranks), EP 2 x TP 2 (MLA and Llama 4's attention
   under TP, experts split both ways, Llama 4's routing weights scaling the experts' inputs)
-  and PP 2 x EP 2 (both families).
+  and PP 2 x EP 2 (both families);
+- Gemma 3 (dense: sandwich norms, (1 + w) QK-norm, local blocks over a sliding window shorter
+  than the sequence and global ones, each with its rotary table) under FSDP 4 and FSDP 2 x
+  TP 2 with tied embeddings, and untied under PP 2 x FSDP 2 (a tied weight cannot span
+  stages).
 """
 
 from __future__ import annotations
@@ -68,7 +72,11 @@ CASES = [
     ("gpt_oss", "fsdp2_tp2"),
     ("gpt_oss", "ep2_tp2"),
     ("gpt_oss", "pp2_ep2"),
+    ("gemma3", "fsdp4"),
+    ("gemma3", "fsdp2_tp2"),
+    ("gemma3_untied", "pp2_fsdp2"),
 ]
+DENSE = {"deepseek_v3_dense", "llama4_dense", "gemma3", "gemma3_untied"}
 
 # ----------------------------------------------------------------------------- models
 
@@ -119,12 +127,25 @@ def gpt_oss(vocab: int = 256) -> nn.Module:
     return model
 
 
+def gemma3(tied: bool = True, vocab: int = 256) -> nn.Module:
+    from titan_models.gemma3 import Gemma3Transformer, gemma3_flavors
+
+    args = dataclasses.replace(
+        gemma3_flavors["debugmodel"], dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+        hidden_dim=96, vocab_size=vocab, max_seq_len=SEQ, sliding_window=5, global_every=2,
+        query_pre_attn_scalar=24, rope_scaling_factor=8.0, tie_word_embeddings=tied,
+    )  # fmt: skip
+    return Gemma3Transformer(args)
+
+
 MODELS = {
     "gpt_oss": gpt_oss,
     "deepseek_v3": deepseek_v3,
     "deepseek_v3_dense": lambda: deepseek_v3(dense=True),
     "llama4": llama4,
     "llama4_dense": lambda: llama4(dense=True),
+    "gemma3": gemma3,
+    "gemma3_untied": lambda: gemma3(tied=False),
 }
 
 # ----------------------------------------------------------------------------- one process
@@ -268,7 +289,12 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
 def launched():
     world = 4
     mp.set_forkserver_preload(
-        ["titan_trainer.train", "titan_models.deepseek_v3", "titan_models.llama4"]
+        [
+            "titan_trainer.train",
+            "titan_models.deepseek_v3",
+            "titan_models.llama4",
+            "titan_models.gemma3",
+        ]
     )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
@@ -312,7 +338,7 @@ def _rel(a: float, b: float) -> float:
 def test_trains_like_one_process(model_name, layout, results, refs):
     got, ref = results[(model_name, layout)], refs[model_name]
     assert "error" not in got, got["error"]
-    if not model_name.endswith("dense"):
+    if model_name not in DENSE:
         # Under PP each rank counts its stage's layers: at least one has experts.
         assert got["moe_layers"] >= 1
     if model_name == "deepseek_v3":  # Llama 4 balances by the auxiliary loss alone

@@ -36,7 +36,13 @@ FAMILY_JOBS = {
     "--training.steps 10"
     for family in ("deepseek_v3", "llama4")
 }
-RUN_HERE = {MAIN_JOB, SHORT_JOB, RANGER21_JOB, FOUR_PROCESSES, MOE_JOB, *FAMILY_JOBS.values()}
+GEMMA3_JOB = (
+    "uv run titan-train --job.config_file apps/trainer/configs/gemma3_debug.toml "
+    "--training.steps 10"
+)
+RUN_HERE = {
+    MAIN_JOB, SHORT_JOB, RANGER21_JOB, FOUR_PROCESSES, MOE_JOB, *FAMILY_JOBS.values(), GEMMA3_JOB
+}  # fmt: skip
 LAUNCH_8B = "NGPU=8 CONFIG_FILE=configs/llama3_8b.toml apps/trainer/run_train.sh"
 SBATCH_70B = (
     "sbatch --nodes 8 --gpus-per-node 8 apps/trainer/scripts/multinode.sbatch "
@@ -364,6 +370,16 @@ def test_the_deepseek_v3_and_llama4_commands_train_their_debug_flavors(tmp_path)
         top_k = {"deepseek_v3": 2, "llama4": 1}[family]
         # One per metric line; 8 experts: between even (1) and all on one (8 / top_k).
         assert len(loads) == len(losses) and all(1.0 <= x <= 8 / top_k for x in loads), loads
+
+
+def test_the_gemma3_command_trains_its_debug_flavor(tmp_path):
+    done = _run_as_shown(GEMMA3_JOB, tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    losses = _losses(out)
+    # On the embedded corpus from the first step: the loss falls well below its start.
+    assert max(losses) == 10 and losses[10] < 0.8 * losses[min(losses)], losses
+    assert "Gemma 3 debug model" in out
 
 
 def test_the_launch_scripts_find_the_workspace_and_stop_once_when_the_data_is_out_of_reach(

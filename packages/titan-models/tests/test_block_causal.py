@@ -21,6 +21,7 @@ from titan_models.block_causal import (
     check_block_causal,
     document_offsets,
 )
+from titan_models.gemma3 import gemma3_flavors, gemma3_spec
 from titan_models.qwen3 import qwen3_flavors, qwen3_spec
 
 BOS = 1
@@ -33,11 +34,27 @@ FAMILIES = {
         ),
     ),
     "qwen3_moe": (qwen3_spec, dict(vocab_size=97)),
+    # A local block (window 8, shorter than most documents), then a global one.
+    "gemma3": (
+        gemma3_spec,
+        dict(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            hidden_dim=96,
+            vocab_size=97,
+            sliding_window=8,
+            global_every=2,
+        ),
+    ),  # fmt: skip
 }
 FLAVORS = {
     "llama3": llama3_flavors["debugmodel"],
     "qwen3": qwen3_flavors["debugmodel"],
     "qwen3_moe": qwen3_flavors["debugmodel_moe"],
+    "gemma3": gemma3_flavors["debugmodel"],
 }
 
 

@@ -12,6 +12,7 @@ import torch
 
 from titan_models import Decoder, KVCache
 from titan_models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_spec
+from titan_models.gemma3 import gemma3_flavors, gemma3_spec
 from titan_models.llama3 import llama3_flavors, llama3_spec
 from titan_models.llama4 import llama4_flavors, llama4_spec
 from titan_models.qwen3 import qwen3_flavors, qwen3_spec
@@ -22,6 +23,7 @@ FAMILIES = {
     "qwen3": (qwen3_spec, qwen3_flavors["debugmodel_moe"], True),
     "deepseek_v3": (deepseek_v3_spec, deepseek_v3_flavors["debugmodel"], False),
     "llama4": (llama4_spec, llama4_flavors["debugmodel"], False),
+    "gemma3": (gemma3_spec, gemma3_flavors["debugmodel"], True),
 }
 
 

@@ -17,6 +17,7 @@ import torch
 from titan_core.protocols import HFSlice, is_sliced_hf_adapter
 from titan_models import llama3_flavors, llama3_spec
 from titan_models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_spec
+from titan_models.gemma3 import gemma3_flavors, gemma3_spec
 from titan_models.llama4 import llama4_flavors, llama4_spec
 from titan_models.qwen3 import qwen3_flavors, qwen3_spec
 
@@ -55,12 +56,20 @@ def _llama4():
     )  # fmt: skip
 
 
+def _gemma3():
+    return gemma3_spec, dataclasses.replace(
+        gemma3_flavors["debugmodel"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        vocab_size=50, hidden_dim=40, max_seq_len=16,
+    )  # fmt: skip
+
+
 FAMILIES = {
     "llama3": lambda: _llama3(tied=False),
     "llama3_tied": lambda: _llama3(tied=True),
     "qwen3_moe": _qwen3_moe,
     "deepseek_v3": _deepseek_v3,
     "llama4": _llama4,
+    "gemma3": _gemma3,
 }
 
 
