@@ -59,7 +59,7 @@ def _leaky_block_causal_check(device: torch.device, impl: str = "auto") -> list[
 
     from titan_models import block_causal
 
-    def causal_only(ids):
+    def causal_only(ids, window=None):
         return lambda b, h, q, kv: q >= kv
 
     with mock.patch.object(block_causal, "same_document_and_causal", causal_only):

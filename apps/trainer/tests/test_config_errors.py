@@ -175,7 +175,9 @@ def test_torchtitan_style_configs_load(tmp_path):
     for path in sorted(configs.glob("*.toml")):
         cfg = load_config(JobConfig, ["--job.config_file", str(path)])
         family = next(
-            f for f in ("qwen3", "deepseek_v3", "llama4", "gemma3", "") if path.stem.startswith(f)
+            f
+            for f in ("qwen3", "deepseek_v3", "llama4", "gemma3", "gpt_oss", "")
+            if path.stem.startswith(f)
         )
         assert cfg.model.name == (family or "llama3")
 

@@ -18,10 +18,11 @@ TORCHTITAN_TOML = TRAINER / "tests" / "torchtitan_configs" / "gpt_oss_debug_mode
 
 
 def test_the_debug_config_trains_and_exports_for_transformers(tmp_path):
-    steps = 10
+    steps = 6
     result = run_cli(
         ["--job.config_file", CONFIG, "--job.dump_folder", str(tmp_path),
          "--training.steps", str(steps), "--training.local_batch_size", "4",
+         "--training.seq_len", "128",
          "--metrics.log_freq", "1", "--metrics.save_plots_folder", "",
          "--metrics.enable_tensorboard", "false",
          "--checkpoint.enable", "--checkpoint.interval", str(steps),
@@ -33,7 +34,7 @@ def test_the_debug_config_trains_and_exports_for_transformers(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = parse_losses(result.stdout + result.stderr)
     assert len(losses) == steps, losses
-    assert losses[steps] < losses[1] - 1.0, losses  # 6.4 -> about 3 in the runs measured
+    assert losses[steps] < losses[1] - 1.0, losses  # 6.4 -> about 3.2 by step 5 at batch 8 x 256
     assert "gpt_oss debugmodel" in result.stdout + result.stderr
     transformers = pytest.importorskip("transformers")
     exported = next((tmp_path / "checkpoint").glob(f"step-{steps}/hf"))
@@ -54,7 +55,7 @@ def test_torchtitans_gpt_oss_debug_toml_runs(tmp_path, monkeypatch, hf_tokenizer
     monkeypatch.chdir(tmp_path)
     result = run_cli(
         ["--job.config_file", str(TORCHTITAN_TOML), "--training.steps", "3",
-         "--training.seq_len", "256"],
+         "--training.seq_len", "256", "--training.local_batch_size", "2"],
         timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
