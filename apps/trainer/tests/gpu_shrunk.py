@@ -20,11 +20,12 @@ def shrunk(args, layers: int, loop: bool = False):
 def fewest_layers(args) -> int:
     """The fewest blocks that keep every kind of block the flavor has (DeepSeek-V3's dense
     blocks come first; Llama 4 alternates dense and MoE blocks; Gemma 3 has one global block
-    in every `global_every`)."""
+    in every `global_every`, GPT-OSS a windowed one then a full one)."""
     dense_first = getattr(args, "n_dense_layers", 0) or 0
     interleave = getattr(args, "interleave_moe_layer_step", 1) or 1
-    global_every = getattr(args, "global_every", 1) or 1
-    return max(1, dense_first + 1, interleave, global_every)
+    windows = [args.attention_window(i) for i in range(args.n_layers)]
+    every_window = next(n for n in range(1, args.n_layers + 1) if set(windows[:n]) == set(windows))
+    return max(1, dense_first + 1, interleave, every_window)
 
 
 def __getattr__(name: str):

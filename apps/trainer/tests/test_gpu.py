@@ -52,6 +52,8 @@ SHIPPED = {
     "llama4_scout": "llama4",
     "llama4_maverick": "llama4",
     "gemma3_27b": "gemma3",
+    "gpt_oss_20b": "gpt_oss",
+    "gpt_oss_120b": "gpt_oss",
 }
 ONE_GPU = [
     "--parallelism.data_parallel_replicate_degree", "1",

@@ -10,7 +10,9 @@ import pytest
 from titan_core import plugins, resolve
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "deepseek_v3", "llama4", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "qwen3", "deepseek_v3", "llama4", "gemma3", "gpt_oss"]
+)
 def test_a_shrunk_family_differs_from_the_shipped_one_in_its_block_count_only(family):
     from gpu_shrunk import fewest_layers
 
