@@ -30,6 +30,7 @@ CONFIGS = {
     "deepseek_v3_debug": [],
     "deepseek_v3_16b": [],
     "llama4_debug": [],
+    "kimi_k2_debug": [],
 }
 # The large mixture-of-experts configs, each with expert parallel: their simulations take one to
 # three minutes each and run in `uv run nox -s dryrun-moe` (the trainer README has their peaks).
@@ -122,7 +123,7 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
     sizes = {"debug_model": 1, "llama3_8b": 8, "llama3_8b_128k": 32, "llama3_70b": 64,
              "llama3_405b": 512,
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16, "deepseek_v3_debug": 1,
-             "deepseek_v3_16b": 8, "llama4_debug": 1}  # fmt: skip
+             "deepseek_v3_16b": 8, "llama4_debug": 1, "kimi_k2_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
     if name == "llama3_8b_128k":  # the header names the context-parallel style and the packing
         assert "layout dp_shard 4 x cp 8 all-to-all | seq 131072" in out, out
