@@ -79,7 +79,7 @@ def test_qk_clip_needs_muon_and_no_context_parallel():
 
 
 def test_kimi_k2_debug_run_with_muon_clip_logs_the_max_logit_and_trains(tmp_path):
-    tau = 0.4  # the debug model's heads start near it (at init its logits are small)
+    tau = 0.3  # under the debug model's largest logits from the start (about 0.4)
     result = run_cli(
         [
             *("--job.config_file", "kimi_k2_debug", "--job.dump_folder", str(tmp_path)),
