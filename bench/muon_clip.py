@@ -1,6 +1,6 @@
 """AdamW, Muon and MuonClip (Muon with QK-Clip) on Kimi K2's debug flavor at the same token
 budget: each step's training loss and largest attention logit, as JSON lines (one per variant),
-and a Markdown table beside the optimizer docs.
+written (with the JSON lines) beside the optimizer docs.
 
     uv run python bench/muon_clip.py [--steps 60] [--tau 3] [--out apps/trainer/docs]
 
@@ -95,7 +95,15 @@ def main(a: argparse.Namespace) -> None:
             train(load_config(JobConfig, args, find_config_file=find_config_file))
         results[name] = dict(sorted(handler.rows.items()))
         print(json.dumps({"bench": "muon_clip", "optimizer": name, "steps": results[name]}))
-    write_table(results, a, Path(a.out))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "muon_clip_comparison.jsonl").write_text(
+        "".join(
+            json.dumps({"bench": "muon_clip", "optimizer": name, "steps": rows}) + "\n"
+            for name, rows in results.items()
+        )
+    )
+    write_table(results, a, out)
 
 
 def write_table(results: dict, a, out: Path) -> None:
@@ -107,7 +115,7 @@ def write_table(results: dict, a, out: Path) -> None:
         cells = []
         for s in steps:
             row = rows.get(s, {})
-            logit = f" / {row['max_logit']:.1f}" if "max_logit" in row else ""
+            logit = f" / {row['max_logit']:.3g}" if "max_logit" in row else ""
             cells.append(f"{row.get('loss', float('nan')):.3f}{logit}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     out.mkdir(parents=True, exist_ok=True)
