@@ -1,6 +1,6 @@
 """AdamW, Muon and MuonClip (Muon with QK-Clip) on Kimi K2's debug flavor at the same token
-budget: each step's training loss and largest attention logit, as JSON lines (one per variant),
-written (with the JSON lines) beside the optimizer docs.
+budget: each step's training loss and largest attention logit, as JSON lines (one per variant)
+and a Markdown table, both written beside the optimizer docs.
 
     uv run python bench/muon_clip.py [--steps 60] [--tau 3] [--out apps/trainer/docs]
 
