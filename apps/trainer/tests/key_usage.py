@@ -4,7 +4,8 @@ Every section of the loaded config is given a subclass that records each field r
 starts after loading and checking (validation reads keys that may do nothing), then covers
 five runs in this process: a dry run with suggestions, a short training run with every
 optional feature on, a resume of it from an initial checkpoint, a step of Ranger21 with
-bfloat16 states, and a step of Muon with parameter groups."""
+bfloat16 states, and a step of Muon with parameter groups
+and QK-Clip."""
 
 from __future__ import annotations
 
@@ -195,6 +196,8 @@ def main(out: str, work: str) -> None:
             "Muon",
             "--optimizer.muon.lr",
             "0.02",
+            "--optimizer.muon.qk_clip_tau",
+            "100",
             "--optimizer.param_groups",
             '[{"params": "norm", "weight_decay": 0}]',
             "--metrics.enable_tensorboard",

@@ -174,12 +174,11 @@ def test_torchtitan_style_configs_load(tmp_path):
     configs = Path(__file__).resolve().parents[1] / "configs"
     for path in sorted(configs.glob("*.toml")):
         cfg = load_config(JobConfig, ["--job.config_file", str(path)])
-        family = next(
-            f
-            for f in ("qwen3", "deepseek_v3", "llama4", "gemma3", "gpt_oss", "")
-            if path.stem.startswith(f)
-        )
-        assert cfg.model.name == (family or "llama3")
+        # Kimi K2 is DeepSeek-V3's architecture: flavors of that family.
+        prefixes = {"qwen3": "qwen3", "deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3",
+                    "llama4": "llama4", "gemma3": "gemma3", "gpt_oss": "gpt_oss"}  # fmt: skip
+        family = next((f for p, f in prefixes.items() if path.stem.startswith(p)), "llama3")
+        assert cfg.model.name == family
 
 
 def test_console_ranks_are_checked_against_the_job_size(monkeypatch):

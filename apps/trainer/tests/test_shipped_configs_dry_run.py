@@ -33,6 +33,7 @@ CONFIGS = {
     "gpt_oss_debug": [],
     "gemma3_debug": [],
     "gemma3_27b": [],
+    "kimi_k2_debug": [],
 }
 # The large mixture-of-experts configs, each with expert parallel: their simulations take one to
 # three minutes each and run in `uv run nox -s dryrun-moe` (the trainer README has their peaks).
@@ -132,7 +133,7 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
              "llama3_405b": 512,
              "qwen3_moe_debug": 1, "qwen3_30b_a3b": 16, "deepseek_v3_debug": 1,
              "deepseek_v3_16b": 8, "llama4_debug": 1, "gpt_oss_debug": 1, "gemma3_debug": 1,
-             "gemma3_27b": 64}  # fmt: skip
+             "gemma3_27b": 64, "kimi_k2_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
     if name == "llama3_8b_128k":  # the header names the context-parallel style and the packing
         assert "layout dp_shard 4 x cp 8 all-to-all | seq 131072" in out, out

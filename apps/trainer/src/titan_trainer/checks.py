@@ -108,6 +108,7 @@ def check_config(
     problems += _batch_and_length_problems(config, layout.batch if layout else None, dims)
     problems += config.fault_tolerance.validate()
     problems += _context_parallel_style_problems(config, layout)
+    problems += _qk_clip_problems(config, dims)
     if config.model.block_causal_impl != "auto" and config.model.attn_mask_type != "block_causal":
         problems.append(
             f"[model] block_causal_impl = {config.model.block_causal_impl!r} does nothing with"
@@ -120,6 +121,26 @@ def check_config(
     if problems:
         raise ConfigError(problems)
     return layout
+
+
+def _qk_clip_problems(config: JobConfig, dims) -> list[str]:
+    """QK-Clip is Muon's ([optimizer.muon]) and reads each head's logits over the whole
+    sequence, which context parallel splits."""
+    if not config.optimizer.muon.qk_clip_tau:
+        return []
+    if config.optimizer.name != "Muon":
+        return [
+            f"[optimizer.muon] qk_clip_tau = {config.optimizer.muon.qk_clip_tau} does nothing with"
+            f" [optimizer] name = {config.optimizer.name!r}: it is MuonClip's\nset name = 'Muon',"
+            " or leave qk_clip_tau out"
+        ]
+    if dims.cp_enabled:
+        return [
+            "[optimizer.muon] qk_clip_tau needs each head's logits over the whole sequence, which"
+            f" context_parallel_degree {dims.cp} splits\nset context_parallel_degree = 1, or leave"
+            " qk_clip_tau out"
+        ]
+    return []
 
 
 def _context_parallel_style_problems(config: JobConfig, layout: Layout | None) -> list[str]:

@@ -58,6 +58,9 @@ def format_line(step: int, m: dict[str, float]) -> str:
     by_source = {k.removeprefix("tokens/"): v for k, v in m.items() if k.startswith("tokens/")}
     if by_source:  # a mixture: tokens the job took from each source so far
         parts.append("tokens " + ", ".join(f"{k} {_count(v)}" for k, v in by_source.items()))
+    if "max_logit" in m:  # QK-Clip: the last step's largest attention logit, before the clip
+        logit = m["max_logit"]  # three digits for the small logits of a young model
+        parts.append(f"maxlogit {logit:.1f}" if abs(logit) >= 10 else f"maxlogit {logit:.3g}")
     if "replica_groups" in m:
         parts.append(f"groups {m['replica_groups']:.0f}")
     if "expert_load" in m:  # mixture of experts: max / mean tokens per expert, worst layer

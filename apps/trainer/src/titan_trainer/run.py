@@ -22,6 +22,7 @@ from titan_core import (
     StatefulLoader,
     Tokenizer,
 )
+from titan_parallel import QKClip
 from titan_trainer.batch import BatchShape
 from titan_trainer.checkpointing.saving import RunCheckpoints
 from titan_trainer.config import JobConfig
@@ -115,6 +116,8 @@ class Optimization:
 
     optimizer: torch.optim.Optimizer
     lr_scheduler: LRSchedule
+    qk_clip: QKClip | None = None
+    """MuonClip's QK-Clip after each step ([optimizer.muon] qk_clip_tau), when on."""
 
 
 @dataclass

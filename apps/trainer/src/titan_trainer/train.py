@@ -32,6 +32,7 @@ from titan_core import (
     to_toml,
 )
 from titan_core.distributed import destroy_distributed
+from titan_parallel import QKClip
 from titan_trainer import memory_check
 from titan_trainer.attention import apply_attention_backend
 from titan_trainer.checkpointing.build import build_checkpointer
@@ -163,7 +164,7 @@ def prepare(config: JobConfig, info: DistInfo, layout: Layout | None = None) -> 
         layout=layout,
         model=model,
         data=RunData(data, tokenizer, loader),
-        optimization=Optimization(optimizer, lr_scheduler),
+        optimization=Optimization(optimizer, lr_scheduler, build_qk_clip(config, parts, dims)),
         state=state,
         checkpoints=RunCheckpoints(
             CheckpointPlan.of(config.checkpoint), checkpointer, config.checkpoint
@@ -359,12 +360,30 @@ def after_step(run: Run, window: MetricWindow, *, first: bool) -> None:
     for converter in run.model.converters:
         for part in run.model.parts:
             converter.post_optimizer_hook(part)
+    if run.optimization.qk_clip is not None:  # MuonClip: the heads over tau shrink
+        window.max_logit = run.optimization.qk_clip.clip_()
     if window.experts:
         window.experts.after_step()
     tokens = run.batch.rank_tokens
     run.state.tokens_seen += tokens * run.dims.dp_degree * run.coordinator.groups()
     window.timer.tokens += tokens
     window.timer.steps += 1
+
+
+def build_qk_clip(config, parts, dims) -> QKClip | None:
+    """QK-Clip over the model's attention layers when [optimizer.muon] qk_clip_tau is set: the
+    heads' maxima reduced over the data-parallel ranks and gathered over tensor parallel's,
+    the reported one over the pipeline's stages too."""
+    tau = config.optimizer.muon.qk_clip_tau
+    if not tau:
+        return None
+    return QKClip(
+        parts,
+        tau,
+        tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
+        reduce_meshes=[dims.mesh("dp") if dims.dp_enabled else None],
+        report_mesh=dims.mesh("pp") if dims.pp_enabled else None,
+    )
 
 
 def build_validator(run: Run) -> Validator:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from titan_core import MemoryMonitor, ParallelDims, config_to_dict, get_logger, peak_flops
 from titan_trainer.data import skipped_rows_total
 from titan_trainer.experts import ExpertLoad
@@ -31,6 +33,8 @@ class MetricWindow:
     experts: ExpertLoad
     lr: float = 0.0
     """The learning rate the last step ran at (the optimizer holds the next step's)."""
+    max_logit: torch.Tensor | None = None
+    """The last step's largest attention logit, when QK-Clip is on (a device tensor)."""
 
 
 def open_window(run: Run) -> MetricWindow:
@@ -81,6 +85,8 @@ def log_window(run: Run, window: MetricWindow, guard: StepGuard) -> None:
     if (rerouted := window.experts.read_rerouted()) is not None:  # under a capacity
         values["expert_rerouted_pct"] = 100 * max(rerouted.values())
         values.update({f"expert_rerouted_pct/{n}": 100 * v for n, v in rerouted.items()})
+    if window.max_logit is not None:
+        values["max_logit"] = float(window.max_logit)
     values.update(run.coordinator.metrics())
     window.metrics.log(run.state.step, values)
     window.timer.reset()

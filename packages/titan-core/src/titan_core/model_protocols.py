@@ -194,6 +194,39 @@ class HeadAttention:
         """(query heads, key/value heads) before tensor parallel splits them."""
         raise NotImplementedError(f"{type(self).__name__}.attention_heads")
 
+    def qk_clip_layout(self) -> QKClipLayout:
+        """Where its heads' logits come from, for QK-Clip (titan-parallel's `QKClip`): the
+        softmax scale of `attend` and the rows of its query and key projections, by head.
+        Called after parallelize (the weights may then be DTensors)."""
+        raise NotImplementedError(f"{type(self).__name__}.qk_clip_layout")
+
+
+QKClipRole = Literal["q", "q_alone", "k", "none"]
+"""What rows of a projection are to a head's logit, for QK-Clip: `q`, a query part whose key
+part is scaled too; `q_alone`, a query part whose key part is shared by every head and left as
+it is (MLA's rotary query); `k`, a key part (grouped by key/value head); `none`, neither (MLA's
+values in `wkv_b`)."""
+
+
+@dataclass(frozen=True)
+class QKClipRows:
+    """One projection weight (`[out, in]`, nn.Linear's) whose output rows are per head: a
+    block of rows for each query head (`per = "query"`) or key/value head (`per = "kv"`), in
+    head order, each block made of `parts`, (role, rows) in order."""
+
+    weight: torch.Tensor
+    per: Literal["query", "kv"]
+    parts: tuple[tuple[QKClipRole, int], ...]
+
+
+@dataclass(frozen=True)
+class QKClipLayout:
+    """An attention layer's softmax `scale` (its logits are q . k x scale) and the
+    projections that make its heads' queries and keys (`QKClipRows`)."""
+
+    scale: float
+    rows: tuple[QKClipRows, ...]
+
 
 class DocumentMask:
     """A block-causal mask that keeps the document ids it was made from, for a model's mask

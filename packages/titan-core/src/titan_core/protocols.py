@@ -41,6 +41,8 @@ from titan_core.model_protocols import (  # noqa: F401
     MoELayer,
     MoEPlan,
     ParallelizableModel,
+    QKClipLayout,
+    QKClipRows,
     TPPlan,
     TPStyle,
     TrainableModel,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.init import ParamInit
-from titan_core.model_protocols import HeadAttention
+from titan_core.model_protocols import HeadAttention, QKClipLayout, QKClipRows
 from titan_core.protocols import TPStyle
 from titan_models.attention_backend import SDPAChoice, TakesSDPAKernel, run_attention
 from titan_models.block_causal import (
@@ -190,3 +190,13 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.attend(q, k, v, mask) if kv_cache is None else self.attend_cached(q, k, v, start)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def qk_clip_layout(self) -> QKClipLayout:
+        """QK-Clip's view (titan_core.HeadAttention): SDPA's default scale; wq's rows by query
+        head, wk's by key/value head."""
+        d = self.head_dim
+        return QKClipLayout(
+            d**-0.5,
+            (QKClipRows(self.wq.weight, "query", (("q", d),)),
+             QKClipRows(self.wk.weight, "kv", (("k", d),))),
+        )  # fmt: skip

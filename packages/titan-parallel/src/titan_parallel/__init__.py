@@ -94,6 +94,7 @@ if TYPE_CHECKING:
         split_by_layers,
         validate_split_points,
     )
+    from titan_parallel.qk_clip import QKClip, max_logits
     from titan_parallel.ranger21 import AdamW, Ranger21, build_ranger21, stochastic_round_to_bf16
     from titan_parallel.sharded_stats import reduce_sums, row_sums_groups, total_sums_groups
     from titan_parallel.tensor_parallel import (
@@ -121,6 +122,8 @@ __all__ = [
     "SAVE_OPS",
     "AdamW",
     "Muon",
+    "QKClip",
+    "max_logits",
     "MuonOptions",
     "build_muon",
     "muon_param_groups",

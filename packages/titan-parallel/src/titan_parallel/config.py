@@ -459,11 +459,17 @@ class MuonOptions:
     matrices are dealt round-robin to those ranks, each orthogonalises its own and sends the
     shards back (communication and compute divided by the group size; FSDP, HSDP or TP alone,
     the rest gathered)."""
+    qk_clip_tau: float = 0.0
+    """MuonClip (Kimi K2): after each step, the query and key projections of every attention
+    head whose largest logit (q . k x softmax scale) in the step exceeded this are scaled so
+    that it would have been this (the paper's 100; titan_parallel.QKClip). The metric line
+    then shows the step's largest logit (`maxlogit`). 0: off. Not with context parallel."""
 
     def validate(self) -> list[str]:
         problems = []
         checks = (
             ("momentum", 0 <= self.momentum < 1, "use a value in [0, 1)"),
+            ("qk_clip_tau", self.qk_clip_tau >= 0, "use a positive logit bound, or 0 (off)"),
             ("ns_steps", self.ns_steps >= 1, "use 1 or more"),
             ("lr", self.lr is None or self.lr > 0, "use a positive learning rate, or none"),
         )

@@ -109,7 +109,14 @@ def _v2_moe(
     )
 
 
-def _v3_moe(num_experts: int, top_k: int, hidden: int, groups: int, top_groups: int) -> MoEArgs:
+def _v3_moe(
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    groups: int,
+    top_groups: int,
+    route_scale: float = 2.5,
+) -> MoEArgs:
     # DeepSeek-V3: sigmoid scores, top-k renormalised and scaled by 2.5, one shared expert,
     # group-limited routing; the auxiliary-loss-free bias (update speed 0.001) plus a very
     # small sequence-wise auxiliary loss (alpha 0.0001), as in the paper.
@@ -120,7 +127,7 @@ def _v3_moe(num_experts: int, top_k: int, hidden: int, groups: int, top_groups: 
         num_shared_experts=1,
         score_func="sigmoid",
         route_norm=True,
-        route_scale=2.5,
+        route_scale=route_scale,
         num_groups=groups,
         top_k_groups=top_groups,
         load_balance_coeff=1e-3,
@@ -181,5 +188,38 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     # prediction layer (11.7B here: the embedding and output projection it shares are not
     # counted again, as the 14B DeepSeek publishes counts its checkpoint's copies of them).
     "671B": DeepSeekV3Args(moe=_v3_moe(256, 8, 2048, groups=8, top_groups=4), n_mtp_layers=1),
+    # Kimi K2 (Moonshot AI, arXiv:2507.20534) at CPU-test size: its differences from the
+    # DeepSeek-V3 debug flavor kept (one expert group, no multi-token prediction, a dense
+    # first block, half the heads, YaRN with beta_fast 1, rope_theta 50000).
+    "kimi_k2_debug": DeepSeekV3Args(
+        **DEBUG_SIZE,
+        n_dense_layers=1,
+        n_heads=4,
+        hidden_dim=768,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        rope_theta=50000.0,
+        rope_factor=32.0,
+        beta_fast=1,
+        moe=dataclasses.replace(
+            _v3_moe(8, 2, 192, groups=1, top_groups=1, route_scale=2.827), **DEBUG_BALANCING
+        ),
+    ),
+    # Kimi K2: DeepSeek-V3's architecture with 384 experts (top 8, one expert group), 64
+    # heads, a 160K vocabulary, YaRN 32x over 4096 and no MTP layer: 1.04T parameters, 32.6B
+    # active.
+    "kimi_k2_1T": DeepSeekV3Args(
+        n_dense_layers=1,
+        n_heads=64,
+        vocab_size=163840,
+        rope_theta=50000.0,
+        rope_factor=32.0,
+        beta_fast=1,
+        max_seq_len=131072,
+        moe=_v3_moe(384, 8, 2048, groups=1, top_groups=1, route_scale=2.827),
+    ),
 }
 """Named shapes; the official ones with their published vocabulary and YaRN settings."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_core.init import ParamInit
-from titan_core.model_protocols import HeadAttention
+from titan_core.model_protocols import HeadAttention, QKClipLayout, QKClipRows
 from titan_core.protocols import TPStyle
 from titan_models.decoder import Decoder
 from titan_models.deepseek_v3.args import DeepSeekV3Args
@@ -84,6 +84,23 @@ class MultiHeadLatentAttention(nn.Module, HeadAttention):
 
     def attention_heads(self) -> tuple[int, int]:
         return self.args.n_heads, self.args.n_heads  # every head has its own key and value
+
+    def qk_clip_layout(self) -> QKClipLayout:
+        """QK-Clip's view (titan_core.HeadAttention): each head's query is its position-free
+        part then its rotary part (wq or wq_b), its key the position-free part of its block of
+        wkv_b (the values follow); the rotary key (wk_rope) is every head's, so it is never
+        scaled and the rotary query takes the head's whole factor."""
+        a = self.args
+        query = self.wq_b if a.q_lora_rank else self.wq
+        q_parts = (("q", a.qk_nope_head_dim), ("q_alone", a.qk_rope_head_dim))
+        kv_parts = (("k", a.qk_nope_head_dim), ("none", a.v_head_dim))
+        return QKClipLayout(
+            self.scale,
+            (
+                QKClipRows(query.weight, "query", q_parts),
+                QKClipRows(self.wkv_b.weight, "kv", kv_parts),
+            ),
+        )
 
     def attend(self, q, k, v, mask: None) -> torch.Tensor:
         """Training: causal attention of `[batch, heads, seq, head_dim]` (no document masks)."""
