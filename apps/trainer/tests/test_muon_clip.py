@@ -15,6 +15,7 @@ from conftest import run_cli
 from titan_core import ConfigError, load_config
 from titan_models import llama3_flavors, llama3_spec
 from titan_models.deepseek_v3 import deepseek_v3_flavors, deepseek_v3_spec
+from titan_models.gpt_oss import gpt_oss_flavors, gpt_oss_spec
 from titan_parallel import QKClip
 from titan_trainer.checks import check_config
 from titan_trainer.config import JobConfig
@@ -27,6 +28,12 @@ ONE_BLOCK = {
     "kimi_k2": (
         deepseek_v3_spec,
         dataclasses.replace(deepseek_v3_flavors["kimi_k2_debug"], n_layers=1, moe=None),
+    ),
+    # Grouped-query attention with biases on q and k (scaled with their rows) and a window of
+    # 16 (only the pairs within it count), the sinks left out of the logits.
+    "gpt_oss": (
+        gpt_oss_spec,
+        dataclasses.replace(gpt_oss_flavors["debugmodel"], n_layers=1, sliding_window=16),
     ),
 }
 
@@ -42,6 +49,8 @@ def test_model_attention_heads_over_tau_land_on_tau_and_the_others_keep_theirs(f
     (layer,) = [m for m in model.modules() if hasattr(m, "qk_clip_layout")]
     with torch.no_grad():  # sharp attention: logits far from the init's
         for rows in layer.qk_clip_layout().rows:
+            if rows.weight.ndim == 1:  # a bias: zero at init
+                rows.weight.normal_(0, 0.5)
             rows.weight.mul_(8.0)
     # One block: the attention's input does not depend on the weights the clip changes.
     clip = QKClip([model], tau=1.0)
@@ -76,6 +85,9 @@ def test_qk_clip_needs_muon_and_no_context_parallel():
     with pytest.raises(ConfigError, match="context_parallel_degree 2 splits"):
         _check("--parallelism.context_parallel_degree", "2")
     _check("--optimizer.muon.qk_clip_tau", "0")  # off: any layout
+    # QK-norm after the projections would undo their scaling: refused, with the reason.
+    with pytest.raises(ConfigError, match=r"normalises each query and key head .* \(QK-norm\)"):
+        _check("--model.name", "qwen3", "--model.flavor", "debugmodel")
 
 
 def test_kimi_k2_debug_run_with_muon_clip_logs_the_max_logit_and_trains(tmp_path):

@@ -105,3 +105,20 @@ def test_fsdp2_and_tp2_clip_the_weights_one_process_clips(tmp_path):
         assert got["logits"] == pytest.approx(one["logits"], rel=1e-5), (kind, layout)
         for name, value in one["weights"].items():
             torch.testing.assert_close(got["weights"][name], value, rtol=0, atol=1e-5)
+
+
+def test_a_sliding_window_limits_the_pairs_whose_logits_count():
+    from titan_parallel.qk_clip import max_logits
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 12, 8, generator=g)
+    k = torch.randn(1, 2, 12, 8, generator=g)
+    k[:, :, 0] *= 50  # a key far back, which only the full window sees
+    full = max_logits(q, k, 1.0)
+    windowed = max_logits(q, k, 1.0, window=4)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k)
+    rows, cols = torch.arange(12)[:, None], torch.arange(12)[None]
+    allowed = (cols <= rows) & (rows - cols < 4)
+    expected = logits.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(windowed, expected)
+    assert (full >= windowed).all() and (full > windowed + 1).any()

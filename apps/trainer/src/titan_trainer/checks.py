@@ -12,6 +12,7 @@ import torch
 import titan_parallel
 from titan_core import (
     ConfigError,
+    HeadAttention,
     ModelArgs,
     ModelSpec,
     ParallelDims,
@@ -108,7 +109,7 @@ def check_config(
     problems += _batch_and_length_problems(config, layout.batch if layout else None, dims)
     problems += config.fault_tolerance.validate()
     problems += _context_parallel_style_problems(config, layout)
-    problems += _qk_clip_problems(config, dims)
+    problems += _qk_clip_problems(config, dims, layout)
     if config.model.block_causal_impl != "auto" and config.model.attn_mask_type != "block_causal":
         problems.append(
             f"[model] block_causal_impl = {config.model.block_causal_impl!r} does nothing with"
@@ -123,9 +124,9 @@ def check_config(
     return layout
 
 
-def _qk_clip_problems(config: JobConfig, dims) -> list[str]:
-    """QK-Clip is Muon's ([optimizer.muon]) and reads each head's logits over the whole
-    sequence, which context parallel splits."""
+def _qk_clip_problems(config: JobConfig, dims, layout: Layout | None) -> list[str]:
+    """QK-Clip is Muon's ([optimizer.muon]), reads each head's logits over the whole
+    sequence, which context parallel splits, and scales projections that no QK-norm follows."""
     if not config.optimizer.muon.qk_clip_tau:
         return []
     if config.optimizer.name != "Muon":
@@ -140,6 +141,16 @@ def _qk_clip_problems(config: JobConfig, dims) -> list[str]:
             f" context_parallel_degree {dims.cp} splits\nset context_parallel_degree = 1, or leave"
             " qk_clip_tau out"
         ]
+    model = _readable_model(config, layout)
+    for module in model.modules() if model is not None else ():
+        if isinstance(module, HeadAttention):
+            try:
+                module.qk_clip_layout()
+            except NotImplementedError as e:
+                return [
+                    f"[optimizer.muon] qk_clip_tau: {e}\nleave qk_clip_tau out for"
+                    f" [model] name = {config.model.name!r}"
+                ]
     return []
 
 

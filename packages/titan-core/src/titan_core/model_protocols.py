@@ -226,6 +226,9 @@ class QKClipLayout:
 
     scale: float
     rows: tuple[QKClipRows, ...]
+    window: int | None = None
+    """The layer's sliding window (a query sees that many positions, its own included): only
+    those pairs' logits count; None: every earlier position."""
 
 
 class DocumentMask:

@@ -111,6 +111,8 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=bias)
         self.heads = (args.n_heads, args.kv_heads)
+        self.normalises_qk = False
+        """Whether the heads are normalised after the projections (QK-norm; a family's)."""
         self.window: int | None = args.attention_window(layer_id)
         """This layer's sliding window (None: every earlier position)."""
         self.sinks = HeadSinks(args.n_heads) if args.attention_sinks else None
@@ -192,11 +194,19 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def qk_clip_layout(self) -> QKClipLayout:
-        """QK-Clip's view (titan_core.HeadAttention): SDPA's default scale; wq's rows by query
-        head, wk's by key/value head."""
+        """QK-Clip's view (titan_core.HeadAttention): SDPA's default scale; wq's rows (and
+        bias) by query head, wk's by key/value head; the layer's window. Refused where the
+        heads are normalised after the projections (QK-norm), which would undo the scaling."""
+        if self.normalises_qk:
+            raise NotImplementedError(
+                f"{type(self).__name__} normalises each query and key head after its projection"
+                " (QK-norm), which undoes any scaling of the projections: QK-Clip cannot bound"
+                " its logits (QK-norm bounds them itself)"
+            )
         d = self.head_dim
-        return QKClipLayout(
-            d**-0.5,
-            (QKClipRows(self.wq.weight, "query", (("q", d),)),
-             QKClipRows(self.wk.weight, "kv", (("k", d),))),
-        )  # fmt: skip
+        rows = [QKClipRows(self.wq.weight, "query", (("q", d),)),
+                QKClipRows(self.wk.weight, "kv", (("k", d),))]  # fmt: skip
+        if self.wq.bias is not None:
+            rows += [QKClipRows(self.wq.bias, "query", (("q", d),)),
+                     QKClipRows(self.wk.bias, "kv", (("k", d),))]  # fmt: skip
+        return QKClipLayout(d**-0.5, tuple(rows), self.window)

@@ -51,9 +51,12 @@ CHUNK_ELEMENTS = 1 << 24
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, mask=None) -> torch.Tensor:
+def max_logits(
+    q: torch.Tensor, k: torch.Tensor, scale: float, mask=None, window: int | None = None
+) -> torch.Tensor:
     """The largest logit q . k x scale of each query head, over the batch and the causal
-    (query, key) pairs, within a document when `mask` carries `document_ids`
+    (query, key) pairs (within a sliding `window`), within a document when `mask` carries
+    `document_ids`
     (titan_core.DocumentMask): `[heads]` in float32, from `[batch, heads, seq, head_dim]`
     queries and keys (fewer key heads: grouped-query attention)."""
     q, k = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k))
@@ -69,6 +72,8 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float, mask=None) -> tor
         rows = positions[start : start + chunk]
         logits = torch.einsum("bgrqd,bgkd->bgrqk", grouped[:, :, :, start : start + chunk], keys)
         allowed = (positions[None, :] <= rows[:, None])[None]  # [1, queries, keys]
+        if window is not None:
+            allowed = allowed & (rows[:, None] - positions[None, :] < window)[None]
         if ids is not None:
             allowed = allowed & (ids[:, start : start + chunk, None] == ids[:, None, :])
         logits = logits.masked_fill(~allowed[:, None, None], -math.inf)
@@ -89,8 +94,9 @@ def head_factors(gamma: torch.Tensor, kv_heads: int) -> dict[str, torch.Tensor]:
 
 
 def scale_rows_(weight: torch.Tensor, factors: torch.Tensor) -> None:
-    """Multiply row i of `weight` (a tensor or DTensor, rows split any way) by `factors[i]`."""
-    column = factors.to(torch.float32)[:, None]
+    """Multiply row i of `weight` (a matrix or a bias, a tensor or DTensor, rows split any
+    way) by `factors[i]`."""
+    column = factors.to(torch.float32).reshape(-1, *[1] * (weight.ndim - 1))
     if isinstance(weight, DTensor):
         column = distribute_tensor(
             column, weight.device_mesh, weight.placements, src_data_rank=None
@@ -146,11 +152,12 @@ class QKClip:
         ]
         self._records: list[torch.Tensor | None] = [None] * len(self.layers)
         for i, layer in enumerate(self.layers):
-            layer.attend = self._recording(i, layer.attend, layer.qk_clip_layout().scale)  # type: ignore[method-assign]
+            view = layer.qk_clip_layout()
+            layer.attend = self._recording(i, layer.attend, view.scale, view.window)  # type: ignore[method-assign]
 
-    def _recording(self, i: int, attend, scale: float):
+    def _recording(self, i: int, attend, scale: float, window: int | None):
         def attend_and_record(q, k, v, mask):
-            found = max_logits(q, k, scale, mask)
+            found = max_logits(q, k, scale, mask, window)
             previous = self._records[i]
             self._records[i] = found if previous is None else torch.maximum(previous, found)
             return attend(q, k, v, mask)

@@ -87,6 +87,7 @@ class Attention(GroupedQueryAttention):
 
     def __init__(self, layer_id: int, args: Gemma3Args):
         super().__init__(layer_id, args)
+        self.normalises_qk = True
         self.q_norm = GemmaRMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, eps=args.norm_eps)
         self.is_global = args.is_global(layer_id)

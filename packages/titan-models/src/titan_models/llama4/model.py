@@ -75,6 +75,7 @@ class Attention(GroupedQueryAttention):
         super().__init__(layer_id, args)
         self.args = args
         self.use_rope = args.uses_rope(layer_id)
+        self.normalises_qk = self.use_rope and args.use_qk_norm
 
     def position(self, q, k, rope_cache: torch.Tensor, temperature: torch.Tensor):
         """`rope_cache` and `temperature` hold the rows of the positions of q and k."""

@@ -52,6 +52,7 @@ class Attention(GroupedQueryAttention):
 
     def __init__(self, layer_id: int, args: Qwen3Args):
         super().__init__(layer_id, args)
+        self.normalises_qk = True
         self.q_norm = HeadNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = HeadNorm(args.head_dim, eps=args.norm_eps)
 
