@@ -558,7 +558,7 @@ def dryrun_405b(session: nox.Session) -> None:
 def dryrun_moe(session: nox.Session) -> None:
     """The dry runs of the large mixture-of-experts configs at their world sizes, each with
     expert parallel (Qwen3-235B-A22B, DeepSeek-V3 236B and 671B, Llama 4 Scout and Maverick,
-    GPT-OSS 20B and 120B;
+    GPT-OSS 20B and 120B, Kimi K2 1T;
     one to three minutes each on a 2-core CPU). The default suite checks their configs and
     their splits at full size without simulating a step (see the trainer README)."""
     for name in MOE_DRY_RUNS:
@@ -617,4 +617,5 @@ MOE_DRY_RUNS = (
     "llama4_maverick",
     "gpt_oss_20b",
     "gpt_oss_120b",
+    "kimi_k2_1t",
 )

@@ -52,6 +52,8 @@ SESSION_ONLY = {
     "llama4_scout": (64, "dp_shard 64 (ep 16)", [1, 1280, 8192], 108),
     # 128 / EP 8 = 16 per rank, their rows split by FSDP over 32 (dim 5120/32).
     "llama4_maverick": (256, "dp_shard 256 (ep 8)", [16, 160, 8192], 401),
+    # 384 / EP 64 = 6 per rank, split by FSDP over the 2 ranks EP leaves in the stage's 128.
+    "kimi_k2_1t": (2048, "dp_shard 128 x pp 16 (ep 64)", [3, 7168, 2048], None),
     # 32 / EP 8 = 4 per rank; EP takes all 8 ranks, so FSDP leaves them whole. Parameters: the
     # published 20.91B less the two 201,088 x 2,880 vocabulary tables (5.5% of this small
     # model), which the config's byte tokenizer shrinks to its own vocabulary.
