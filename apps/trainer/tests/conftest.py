@@ -185,3 +185,21 @@ def hf_tokenizer_folders(tmp_path_factory) -> dict[str, str]:
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
         folders[kind] = str(folder)
     return folders
+
+
+@pytest.fixture
+def torchtitan_checkout(tmp_path, monkeypatch, hf_tokenizer_folders):
+    """A working directory laid out as torchtitan's: `c4_test` is its tests/assets/c4_test
+    (a few documents of our own here), tests/assets/tokenizer its test tokenizer (a Hugging
+    Face tokenizer.json with its tokenizer_config.json; ours is trained on the embedded
+    corpus)."""
+    import json
+    import shutil
+
+    shutil.copytree(hf_tokenizer_folders["llama"], tmp_path / "tests/assets/tokenizer")
+    sample = tmp_path / "tests/assets/c4_test"
+    sample.mkdir(parents=True)
+    rows = [{"text": f"Sample document {i}. " * 40, "url": "local"} for i in range(30)]
+    (sample / "data.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

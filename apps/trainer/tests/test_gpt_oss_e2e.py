@@ -8,7 +8,6 @@ in test_moe_families_distributed.py.)"""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from conftest import TRAINER, parse_losses, run_cli
@@ -44,15 +43,8 @@ def test_the_debug_config_trains_and_exports_for_transformers(tmp_path):
     assert type(model).__name__ == "GptOssForCausalLM"
 
 
-def test_torchtitans_gpt_oss_debug_toml_runs(tmp_path, monkeypatch, hf_tokenizer_folders):
-    # A torchtitan checkout's layout: its test tokenizer and its c4_test sample, relative to
-    # where it runs (ours stand in for them).
-    shutil.copytree(hf_tokenizer_folders["llama"], tmp_path / "tests/assets/tokenizer")
-    sample = tmp_path / "tests/assets/c4_test"
-    sample.mkdir(parents=True)
-    rows = [{"text": f"Sample document {i}. " * 40, "url": "local"} for i in range(30)]
-    (sample / "data.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.chdir(tmp_path)
+def test_torchtitans_gpt_oss_debug_toml_runs(torchtitan_checkout):
+    # Run from a directory laid out as a torchtitan checkout (its test tokenizer and c4_test).
     result = run_cli(
         ["--job.config_file", str(TORCHTITAN_TOML), "--training.steps", "3",
          "--training.seq_len", "256", "--training.local_batch_size", "2"],

@@ -9,7 +9,6 @@ dryrun-torchtitan` simulates the ones that pass (the trainer's docs list the res
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shlex
@@ -156,23 +155,6 @@ def dry_run_args(path: Path) -> list[str]:
 def world_size(path: Path) -> int:
     args = dry_run_args(path)
     return int(args[args.index("--dry_run.world_size") + 1])
-
-
-@pytest.fixture
-def torchtitan_checkout(tmp_path, monkeypatch, hf_tokenizer_folders):
-    """A working directory laid out as torchtitan's: `c4_test` is its tests/assets/c4_test
-    (a few documents of our own here), tests/assets/tokenizer its test tokenizer (a Hugging
-    Face tokenizer.json with its tokenizer_config.json; ours is trained on the embedded
-    corpus)."""
-    import shutil
-
-    shutil.copytree(hf_tokenizer_folders["llama"], tmp_path / "tests/assets/tokenizer")
-    sample = tmp_path / "tests/assets/c4_test"
-    sample.mkdir(parents=True)
-    rows = [{"text": f"Sample document {i}. " * 40, "url": "local"} for i in range(30)]
-    (sample / "data.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_there_is_one_file_per_torchtitan_toml_and_together_they_set_every_key():

@@ -138,20 +138,17 @@ def _v3_moe(
 _V2_ATTENTION = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                      rope_factor=40.0, original_seq_len=4096, mscale=0.707, max_seq_len=163840)  # fmt: skip
 
+# The debug flavors' shape: one dense block first, latent attention at CPU-test size.
+_DEBUG_MLA = dict(**DEBUG_SIZE, n_dense_layers=1, hidden_dim=768, q_lora_rank=128, kv_lora_rank=64,
+                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)  # fmt: skip
+
 deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     # Small enough for CPU tests, with every part of the 671B model: compressed queries, YaRN,
     # a dense block then experts in 4 groups of 2, two groups per token, a shared expert, and
     # a multi-token-prediction layer.
     "debugmodel": DeepSeekV3Args(
-        **DEBUG_SIZE,
-        n_dense_layers=1,
+        **_DEBUG_MLA,
         n_heads=8,
-        hidden_dim=768,
-        q_lora_rank=128,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
         # The reference's bias step (0.001) moves a bias by 0.05 in a 50-step run, too little
         # against this small model's collapse at lr 3e-3 (0.03 with an auxiliary loss of 0.3
         # still leaves 4.0); with DEBUG_BALANCING (the expert capacity and router centering)
@@ -192,15 +189,8 @@ deepseek_v3_flavors: dict[str, DeepSeekV3Args] = {
     # DeepSeek-V3 debug flavor kept (one expert group, no multi-token prediction, a dense
     # first block, half the heads, YaRN with beta_fast 1, rope_theta 50000).
     "kimi_k2_debug": DeepSeekV3Args(
-        **DEBUG_SIZE,
-        n_dense_layers=1,
+        **_DEBUG_MLA,
         n_heads=4,
-        hidden_dim=768,
-        q_lora_rank=128,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
         rope_theta=50000.0,
         rope_factor=32.0,
         beta_fast=1,
