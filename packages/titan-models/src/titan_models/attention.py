@@ -41,7 +41,7 @@ from titan_models.block_causal import (
     same_document_and_causal,
 )
 from titan_models.generation import LayerCache, causal_mask
-from titan_models.local_attention import HeadSinks, attend_dense, window_band
+from titan_models.local_attention import HeadSinks, attend_dense, causal_band, window_band
 from titan_models.rope import apply_rope
 
 __all__ = [
@@ -86,8 +86,7 @@ def attend(
         return run_attention(q, k, v, backend)
     if q.device.type == "cuda":  # FlexAttention with a mask of positions alone, made once
         return attend_flex(q, k, v, causal_block_mask(q.shape[2], window, q.device), sinks)
-    positions = torch.arange(q.shape[2], device=q.device)
-    return attend_dense(q, k, v, window_band(positions, positions, window), sinks)
+    return attend_dense(q, k, v, causal_band(q.shape[2], window, q.device), sinks)
 
 
 class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
@@ -157,8 +156,7 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
     def attend(self, q, k, v, mask: AttentionMask | None) -> torch.Tensor:
         """Training: `[batch, heads, seq, head_dim]`, causal or block-causal under `mask`,
         within the layer's window, with its sinks."""
-        sinks = self.sinks() if self.sinks is not None else None
-        return attend(q, k, v, mask, self.sdpa_backend, window=self.window, sinks=sinks)
+        return attend(q, k, v, mask, self.sdpa_backend, window=self.window, sinks=self._sinks())
 
     def attend_cached(self, q, k, v, start: int) -> torch.Tensor:
         """Generation: queries at `start`.. against every cached key up to their own (within
@@ -170,7 +168,11 @@ class GroupedQueryAttention(nn.Module, TakesSDPAKernel, HeadAttention):
             )
         queries = torch.arange(start, start + q.shape[2], device=q.device)
         allowed = window_band(queries, torch.arange(k.shape[2], device=q.device), self.window)
-        return attend_dense(q, k, v, allowed, self.sinks() if self.sinks is not None else None)
+        return attend_dense(q, k, v, allowed, self._sinks())
+
+    def _sinks(self) -> torch.Tensor | None:
+        """This rank's heads' sink logits, or None without sinks."""
+        return self.sinks() if self.sinks is not None else None
 
     def forward(
         self,

@@ -52,7 +52,7 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 
 from titan_core.compat import accepts, note_missing
 from titan_core.model_protocols import DocumentMask
-from titan_models.local_attention import attend_dense, window_band
+from titan_models.local_attention import attend_dense, causal_band
 
 BlockCausalImpl = Literal["auto", "dense", "flex", "varlen"]
 BLOCK_CAUSAL_IMPLS: tuple[str, ...] = ("auto", "dense", "flex", "varlen")
@@ -245,8 +245,7 @@ def attend_block_causal(
         return out.reshape(batch, seq, heads, head_dim).transpose(1, 2)
     allowed = mask.dense
     if window is not None:
-        positions = torch.arange(q.shape[2], device=q.device)
-        allowed = allowed & window_band(positions, positions, window)
+        allowed = allowed & causal_band(q.shape[2], window, q.device)
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
     return attend_dense(q, k, v, allowed, sinks)
@@ -335,8 +334,7 @@ def _varlen_by_segment(
         if window is None and sinks is None:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            positions = torch.arange(qs.shape[1], device=qs.device)
-            allowed = window_band(positions, positions, window)
+            allowed = causal_band(qs.shape[1], window, qs.device)
             out = attend_dense(qs[None], ks[None], vs[None], allowed, sinks)[0]
         pieces.append(out.transpose(0, 1))
     return torch.cat(pieces)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HeadSinks", "attend_dense", "window_band"]
+__all__ = ["HeadSinks", "attend_dense", "causal_band", "window_band"]
 
 
 class HeadSinks(nn.Module):
@@ -52,6 +52,12 @@ def window_band(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -
     distance = queries[:, None] - keys[None, :]
     allowed = distance >= 0
     return allowed & (distance < window) if window is not None else allowed
+
+
+def causal_band(seq: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """`[seq, seq]` bool: `window_band` of positions 0..seq-1 against themselves."""
+    positions = torch.arange(seq, device=device)
+    return window_band(positions, positions, window)
 
 
 def attend_dense(

@@ -12,7 +12,6 @@ for (the expert bias, the router center) exports only while zero.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -68,9 +67,6 @@ class Interleaved(Transform):
         cols = index[-1]
         box = (*index[:-1], slice(2 * cols.start, 2 * cols.stop))
         return read(HFSlice(self.theirs, self._theirs_shape(shape), box))[..., offset::2]
-
-    def part_of(self, hf_name: str) -> Hashable | None:
-        return hf_name if hf_name == self.theirs else None
 
 
 class GptOssHFAdapter(DecoderHFAdapter):
