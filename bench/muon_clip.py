@@ -1,14 +1,16 @@
-"""AdamW, Muon and MuonClip (Muon with QK-Clip) on Kimi K2's debug flavor at the same token
-budget: each step's training loss and largest attention logit, as JSON lines (one per variant)
-and a Markdown table, both written beside the optimizer docs.
+"""AdamW, Muon and MuonClip (Muon with QK-Clip) at the same token budget: each step's training
+loss and largest attention logit, as JSON lines, a Markdown table and a plot (loss and largest
+logit against step), all written beside the optimizer docs as `muon_clip_<name>.*`.
 
-    uv run python bench/muon_clip.py [--steps 60] [--tau 3] [--out apps/trainer/docs]
+    uv run python bench/muon_clip.py [--config kimi_k2_debug] [--flavor F] [--name debug]
+        [--steps 60] [--tau 3] [--out apps/trainer/docs]
 
 Each variant is one run of the trainer itself (`titan_trainer.train`), in this process, from the
-same seed on the same data. Muon's logits are recorded by QK-Clip with a bound no logit reaches
-(it then never scales anything); AdamW's are not recorded (QK-Clip is Muon's option). The
-debug model's logits stay small in a short run, so the default tau is low enough to bite; the
-paper's 100 is for models whose logits grow to thousands.
+same seed on the same data. Every variant records its logits the same way ([metrics]
+max_attention_logit: each head's largest q . k x scale in the step, before any clip); only
+MuonClip scales the projections afterwards. Small models' logits stay small in a short run, so
+the default tau is low enough to bite; the paper's 100 is for models whose logits grow to
+thousands.
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ from pathlib import Path
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="kimi_k2_debug", help="a shipped config")
+    ap.add_argument("--flavor", default=None, help="the model flavor (default: the config's)")
+    ap.add_argument("--name", default="debug", help="output files: muon_clip_<name>.*")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--tau", type=float, default=3.0, help="MuonClip's bound on the logits")
     ap.add_argument("--out", default="apps/trainer/docs")
+    ap.add_argument(
+        "--replot", action="store_true", help="redraw the plot from the JSON lines in --out"
+    )
     return ap.parse_args(argv)
 
 
@@ -63,12 +71,18 @@ def variants(tau: float) -> dict[str, list[str]]:
     muon = ["--optimizer.name", "Muon", "--optimizer.muon.ns_dtype", "float32"]
     return {
         "AdamW": ["--optimizer.name", "AdamW", "--optimizer.muon.qk_clip_tau", "0"],
-        "Muon": [*muon, "--optimizer.muon.qk_clip_tau", "1e30"],  # records, never clips
+        "Muon": [*muon, "--optimizer.muon.qk_clip_tau", "0"],
         f"MuonClip, tau {tau:g}": [*muon, "--optimizer.muon.qk_clip_tau", str(tau)],
     }
 
 
 def main(a: argparse.Namespace) -> None:
+    if a.replot:
+        lines = (Path(a.out) / f"muon_clip_{a.name}.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        results = {r["optimizer"]: {int(s): v for s, v in r["steps"].items()} for r in rows}
+        write_plot(results, a, Path(a.out))
+        return
     init_logging()
     handler = _MetricLines()
     logging.getLogger("titan.metrics").addHandler(handler)
@@ -77,7 +91,9 @@ def main(a: argparse.Namespace) -> None:
         handler.rows = {}
         with tempfile.TemporaryDirectory() as tmp:
             args = [
-                "--job.config_file", "kimi_k2_debug",
+                "--job.config_file", a.config,
+                *(["--model.flavor", a.flavor] if a.flavor else []),
+                "--metrics.max_attention_logit", "true",
                 "--job.dump_folder", tmp,
                 "--training.steps", str(a.steps),
                 "--training.seq_len", str(a.seq_len),
@@ -97,13 +113,14 @@ def main(a: argparse.Namespace) -> None:
         print(json.dumps({"bench": "muon_clip", "optimizer": name, "steps": results[name]}))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "muon_clip_comparison.jsonl").write_text(
+    (out / f"muon_clip_{a.name}.jsonl").write_text(
         "".join(
             json.dumps({"bench": "muon_clip", "optimizer": name, "steps": rows}) + "\n"
             for name, rows in results.items()
         )
     )
     write_table(results, a, out)
+    write_plot(results, a, out)
 
 
 def write_table(results: dict, a, out: Path) -> None:
@@ -119,11 +136,43 @@ def write_table(results: dict, a, out: Path) -> None:
             cells.append(f"{row.get('loss', float('nan')):.3f}{logit}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "muon_clip_comparison.md").write_text(
-        f"<!-- written by bench/muon_clip.py --steps {a.steps} --seq-len {a.seq_len} --batch"
-        f" {a.batch} --lr {a.lr} --tau {a.tau} -->\ntraining loss / largest attention logit"
+    (out / f"muon_clip_{a.name}.md").write_text(
+        f"<!-- written by bench/muon_clip.py {command(a)} -->\ntraining loss / largest attention logit"
         " (before the step's clip)\n\n" + "\n".join(lines) + "\n"
     )
+
+
+def command(a) -> str:
+    flavor = f" --flavor {a.flavor}" if a.flavor else ""
+    return (
+        f"--config {a.config}{flavor} --name {a.name} --steps {a.steps} --seq-len {a.seq_len}"
+        f" --batch {a.batch} --lr {a.lr} --tau {a.tau}"
+    )
+
+
+def write_plot(results: dict, a, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, (loss_ax, logit_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rows in results.items():
+        steps = sorted(rows)
+        loss_ax.plot(steps, [rows[s]["loss"] for s in steps], label=name)
+        logged = [s for s in steps if "max_logit" in rows[s]]
+        logit_ax.plot(logged, [rows[s]["max_logit"] for s in logged], label=name)
+    logit_ax.axhline(a.tau, color="grey", linestyle=":", label=f"tau {a.tau:g}")
+    loss_ax.set(xlabel="step", ylabel="training loss", title="loss")
+    logit_ax.set(xlabel="step", ylabel="largest attention logit", title="largest logit")
+    logit_ax.set_yscale("log")  # AdamW's run away by tens of times the others' (and tau's)
+    for ax in (loss_ax, logit_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    tokens = a.steps * a.batch * a.seq_len
+    fig.suptitle(f"{a.config} {a.flavor or ''}: {a.steps} steps, {tokens:,} tokens")
+    fig.tight_layout()
+    fig.savefig(out / f"muon_clip_{a.name}.png", dpi=100)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_model_attention_heads_over_tau_land_on_tau_and_the_others_keep_theirs(f
             rows.weight.mul_(8.0)
     # One block: the attention's input does not depend on the weights the clip changes.
     clip = QKClip([model], tau=1.0)
-    probe = QKClip([model], tau=float("inf"))  # records only
+    probe = QKClip([model], tau=None)  # records only
     tokens = torch.randint(0, args.vocab_size, (2, 64))
     model(tokens)
     before = probe._records[0].clone()
@@ -88,6 +88,37 @@ def test_qk_clip_needs_muon_and_no_context_parallel():
     # QK-norm after the projections would undo their scaling: refused, with the reason.
     with pytest.raises(ConfigError, match=r"normalises each query and key head .* \(QK-norm\)"):
         _check("--model.name", "qwen3", "--model.flavor", "debugmodel")
+
+
+def test_max_attention_logit_monitor_works_with_any_optimizer_and_shares_the_clips_limits():
+    _check("--optimizer.name", "AdamW", "--optimizer.muon.qk_clip_tau", "0",
+           "--metrics.max_attention_logit", "true")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"max_attention_logit needs each head's logits"):
+        _check("--optimizer.muon.qk_clip_tau", "0", "--metrics.max_attention_logit", "true",
+               "--parallelism.context_parallel_degree", "2")  # fmt: skip
+
+
+def test_adamw_run_with_the_logit_monitor_logs_it_and_steps_as_without(tmp_path):
+    runs = {}
+    for monitor in ("false", "true"):
+        result = run_cli(
+            [
+                *("--job.config_file", "debug_model", "--job.dump_folder", str(tmp_path / monitor)),
+                *("--training.steps", "3", "--training.local_batch_size", "2"),
+                *("--training.seq_len", "64", "--metrics.log_freq", "1"),
+                *("--metrics.max_attention_logit", monitor, "--metrics.save_plots_folder", ""),
+                *("--training.mixed_precision_param", "float32"),
+            ],
+            timeout=600,
+        )
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-4000:]
+        runs[monitor] = out
+    losses = {k: re.findall(r"step +\d+ \| loss ([\d.]+)", out) for k, out in runs.items()}
+    assert len(losses["true"]) == 3 and losses["true"] == losses["false"], losses  # record only
+    logits = re.findall(r"\| maxlogit ([-\d.]+)", runs["true"])
+    assert len(logits) == 3 and all(float(x) > 0 for x in logits), runs["true"][-3000:]
+    assert "maxlogit" not in runs["false"]
 
 
 def test_kimi_k2_debug_run_with_muon_clip_logs_the_max_logit_and_trains(tmp_path):

@@ -128,3 +128,18 @@ def test_bad_arguments_are_refused():
         Muon([nn.Parameter(torch.ones(4, 4))], momentum=1.5)
     with pytest.raises(ValueError, match="distributed = 'scatter'"):
         Muon([nn.Parameter(torch.ones(4, 4))], distributed="scatter")
+
+
+def test_auto_newton_schulz_dtype_follows_the_devices_native_bf16(monkeypatch):
+    from titan_parallel import muon as muon_module
+    from titan_parallel.muon import newton_schulz_dtype
+
+    cpu, meta = torch.zeros(2, 2), torch.zeros(2, 2, device="meta")
+    for native in (False, True):
+        monkeypatch.setattr(muon_module, "supports_bf16", lambda device, native=native: native)
+        want = torch.bfloat16 if native else torch.float32
+        assert newton_schulz_dtype("auto", [{"params": [cpu]}]) == want
+    # a dry run on the meta device plans for the GPU's bfloat16; an explicit choice is kept
+    assert newton_schulz_dtype("auto", [{"params": [meta]}]) == torch.bfloat16
+    assert newton_schulz_dtype("float32", [{"params": [meta]}]) == torch.float32
+    assert newton_schulz_dtype("bfloat16", [{"params": [cpu]}]) == torch.bfloat16

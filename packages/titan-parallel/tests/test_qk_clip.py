@@ -90,6 +90,21 @@ def test_tau_must_be_positive():
         QKClip([TinyModel()], 0.0)
 
 
+def test_without_tau_it_records_the_largest_logit_and_scales_nothing():
+    torch.manual_seed(0)
+    model = TinyModel("gqa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # logits well over TAU: a clip would scale
+    monitor = QKClip([model], None)
+    tokens = torch.randint(0, 64, (3, 16))
+    expected = max(b.max().item() for b in _per_head(model, _inputs(model, tokens)))
+    assert expected > TAU
+    weights = [p.detach().clone() for p in model.parameters()]
+    assert monitor.clip_().item() == pytest.approx(expected, rel=1e-6)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
 DISTRIBUTED = [("gqa", "fsdp2"), ("mla", "fsdp2"), ("gqa", "tp2")]
 
 

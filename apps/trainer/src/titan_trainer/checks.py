@@ -126,10 +126,14 @@ def check_config(
 
 def _qk_clip_problems(config: JobConfig, dims, layout: Layout | None) -> list[str]:
     """QK-Clip is Muon's ([optimizer.muon]), reads each head's logits over the whole
-    sequence, which context parallel splits, and scales projections that no QK-norm follows."""
-    if not config.optimizer.muon.qk_clip_tau:
+    sequence, which context parallel splits, and scales projections that no QK-norm follows.
+    [metrics] max_attention_logit reads the same logits: it shares the first two limits."""
+    tau = config.optimizer.muon.qk_clip_tau
+    if not tau and not config.metrics.max_attention_logit:
         return []
-    if config.optimizer.name != "Muon":
+    key = "[optimizer.muon] qk_clip_tau" if tau else "[metrics] max_attention_logit"
+    off = "leave qk_clip_tau out" if tau else "set max_attention_logit = false"
+    if tau and config.optimizer.name != "Muon":
         return [
             f"[optimizer.muon] qk_clip_tau = {config.optimizer.muon.qk_clip_tau} does nothing with"
             f" [optimizer] name = {config.optimizer.name!r}: it is MuonClip's\nset name = 'Muon',"
@@ -137,9 +141,8 @@ def _qk_clip_problems(config: JobConfig, dims, layout: Layout | None) -> list[st
         ]
     if dims.cp_enabled:
         return [
-            "[optimizer.muon] qk_clip_tau needs each head's logits over the whole sequence, which"
-            f" context_parallel_degree {dims.cp} splits\nset context_parallel_degree = 1, or leave"
-            " qk_clip_tau out"
+            f"{key} needs each head's logits over the whole sequence, which"
+            f" context_parallel_degree {dims.cp} splits\nset context_parallel_degree = 1, or {off}"
         ]
     model = _readable_model(config, layout)
     for module in model.modules() if model is not None else ():
@@ -147,10 +150,7 @@ def _qk_clip_problems(config: JobConfig, dims, layout: Layout | None) -> list[st
             try:
                 module.qk_clip_layout()
             except NotImplementedError as e:
-                return [
-                    f"[optimizer.muon] qk_clip_tau: {e}\nleave qk_clip_tau out for"
-                    f" [model] name = {config.model.name!r}"
-                ]
+                return [f"{key}: {e}\n{off} for [model] name = {config.model.name!r}"]
     return []
 
 

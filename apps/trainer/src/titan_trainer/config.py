@@ -304,6 +304,11 @@ class Metrics:
     job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-llm-trainer[plots])."""
     enable_wandb: bool = False
     """Log the same scalars to Weights & Biases (pip install 'titan-llm-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
+    max_attention_logit: bool = False
+    """Record every attention head's largest logit (q . k x softmax scale) in each step and log
+    the step's largest (`maxlogit` on the metric line, in TensorBoard), with any optimizer: the
+    logit growth that precedes loss spikes. Always on with [optimizer.muon] qk_clip_tau. Costs
+    one more q . k product per attention layer (no gradient); not with context parallel."""
     sinks: list[str] = field(default_factory=list)
     """More metric sinks for the same scalars, by name: entry points in `titan.metric_sinks`
     (see `titan-train --list-plugins`) or `module:attr`. TensorBoard and W&B are two such

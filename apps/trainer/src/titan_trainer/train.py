@@ -360,7 +360,7 @@ def after_step(run: Run, window: MetricWindow, *, first: bool) -> None:
     for converter in run.model.converters:
         for part in run.model.parts:
             converter.post_optimizer_hook(part)
-    if run.optimization.qk_clip is not None:  # MuonClip: the heads over tau shrink
+    if run.optimization.qk_clip is not None:  # MuonClip: the heads over tau shrink (or a monitor)
         window.max_logit = run.optimization.qk_clip.clip_()
     if window.experts:
         window.experts.after_step()
@@ -371,15 +371,16 @@ def after_step(run: Run, window: MetricWindow, *, first: bool) -> None:
 
 
 def build_qk_clip(config, parts, dims) -> QKClip | None:
-    """QK-Clip over the model's attention layers when [optimizer.muon] qk_clip_tau is set: the
-    heads' maxima reduced over the data-parallel ranks and gathered over tensor parallel's,
-    the reported one over the pipeline's stages too."""
+    """QK-Clip over the model's attention layers when [optimizer.muon] qk_clip_tau is set, a
+    record-only one for [metrics] max_attention_logit: the heads' maxima reduced over the
+    data-parallel ranks and gathered over tensor parallel's, the reported one over the
+    pipeline's stages too."""
     tau = config.optimizer.muon.qk_clip_tau
-    if not tau:
+    if not tau and not config.metrics.max_attention_logit:
         return None
     return QKClip(
         parts,
-        tau,
+        tau or None,
         tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
         reduce_meshes=[dims.mesh("dp") if dims.dp_enabled else None],
         report_mesh=dims.mesh("pp") if dims.pp_enabled else None,

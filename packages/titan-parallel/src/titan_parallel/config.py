@@ -443,9 +443,11 @@ class MuonOptions:
     """Nesterov momentum: orthogonalise (1 - momentum) g + momentum m instead of m."""
     ns_steps: int = 5
     """Newton-Schulz iterations (quintic, Jordan's coefficients)."""
-    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Dtype of the Newton-Schulz iterations: bfloat16 as in the reference (fast on GPUs),
-    float32 for steps that equal across layouts to fp32 rounding."""
+    float32 for steps that equal across layouts to fp32 rounding; `auto`, bfloat16 where the
+    parameters' device computes it natively (a GPU, a CPU with AVX-512 BF16 or AMX), float32
+    elsewhere (on an AVX2-only CPU bf16 matmuls are emulated, about 25x slower than fp32)."""
     adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Per-matrix scale of the learning rate: `match_rms_adamw`, 0.2 sqrt(max(rows, cols))
     (Moonlight: updates with AdamW's RMS, so [optimizer] lr and weight_decay carry over), or

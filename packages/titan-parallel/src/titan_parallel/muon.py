@@ -55,8 +55,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
+from titan_core.device import supports_bf16
 from titan_core.protocols import OptimizerPlugin
 from titan_parallel.sharded_stats import local
+
+logger = logging.getLogger(__name__)
 
 AdjustLR = Literal["original", "match_rms_adamw"]
 Distributed = Literal["gather", "owner"]
@@ -456,12 +459,24 @@ def _build_muon(params: list[Any], config: Any, *, total_steps: int, dims: Any =
         momentum=m.momentum,
         nesterov=m.nesterov,
         ns_steps=m.ns_steps,
-        ns_dtype=getattr(torch, m.ns_dtype),
+        ns_dtype=newton_schulz_dtype(m.ns_dtype, groups),
         adjust_lr=m.adjust_lr,
         betas=(config.beta1, config.beta2),
         eps=config.eps,
         distributed=m.distributed,
     )
+
+
+def newton_schulz_dtype(choice: str, groups: list[dict]) -> torch.dtype:
+    """[optimizer.muon] ns_dtype as a dtype; `auto` by the device of the parameters: bfloat16
+    where it computes bf16 natively, and on the meta device (a dry run plans for a GPU)."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    device = next((p.device for g in groups for p in g["params"]), torch.device("meta"))
+    native = device.type == "meta" or supports_bf16(device)
+    if not native:
+        logger.info("Muon: Newton-Schulz in float32 (%s has no native bf16 matmul)", device)
+    return torch.bfloat16 if native else torch.float32
 
 
 build_muon = MuonFactory()

@@ -125,7 +125,8 @@ class QKClip:
 
     Args:
         model_parts: the modules (pipeline stages) this rank holds.
-        tau: the largest logit allowed (the paper's 100).
+        tau: the largest logit allowed (the paper's 100); None records the logits and scales
+            nothing (`clip_` then only reports the largest: a monitor for any optimizer).
         tp_mesh: the tensor-parallel mesh that splits the heads, if any.
         reduce_meshes: meshes whose ranks saw other data for the same weights (data parallel),
             whose maxima are reduced with this rank's.
@@ -135,15 +136,15 @@ class QKClip:
     def __init__(
         self,
         model_parts: Iterable[nn.Module],
-        tau: float,
+        tau: float | None,
         *,
         tp_mesh: DeviceMesh | None = None,
         reduce_meshes: Iterable[DeviceMesh | None] = (),
         report_mesh: DeviceMesh | None = None,
     ) -> None:
-        if not tau > 0:
-            raise ValueError(f"QK-Clip's tau must be positive, got {tau}")
-        self.tau = float(tau)
+        if tau is not None and not tau > 0:
+            raise ValueError(f"QK-Clip's tau must be positive (or None: record only), got {tau}")
+        self.tau = None if tau is None else float(tau)
         self.tp_mesh = tp_mesh
         self.reduce_meshes = [m for m in reduce_meshes if m is not None and m.size() > 1]
         self.report_mesh = report_mesh
@@ -190,20 +191,24 @@ class QKClip:
 
     @torch.no_grad()
     def clip_(self) -> torch.Tensor:
-        """Scale the heads whose largest logit since the last call exceeded tau and forget
-        the records; returns that largest logit over every layer (a device tensor; -inf when
-        no attention ran)."""
+        """Scale the heads whose largest logit since the last call exceeded tau (none when
+        recording only) and forget the records; returns that largest logit over every layer
+        (a device tensor; -inf when no attention ran)."""
         if not self.layers:
             return torch.tensor(-math.inf)
         flat = self._gathered()
         self._records = [None] * len(self.layers)
+        if self.tau is not None:
+            self._scale_(flat)
+        top = flat.max() if flat.numel() else flat.new_tensor(-math.inf)
+        if self.report_mesh is not None and self.report_mesh.size() > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.report_mesh.get_group())
+        return top
+
+    def _scale_(self, flat: torch.Tensor) -> None:
         gamma = torch.where(flat > self.tau, self.tau / flat, torch.ones_like(flat))
         start = 0
         for layer in self.layers:
             heads, kv_heads = layer.attention_heads()
             apply_layout_(layer.qk_clip_layout(), gamma[start : start + heads], kv_heads)
             start += heads
-        top = flat.max() if flat.numel() else flat.new_tensor(-math.inf)
-        if self.report_mesh is not None and self.report_mesh.size() > 1:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.report_mesh.get_group())
-        return top
