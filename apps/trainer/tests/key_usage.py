@@ -86,6 +86,15 @@ def main(out: str, work: str) -> None:
         "--metrics.log_freq",
         "1",
     ]
+    # A two-item task short enough for the 64-token windows below.
+    os.makedirs(work, exist_ok=True)
+    with open(f"{work}/tiny.jsonl", "w") as f:
+        f.write(
+            '{"q": "1 + 1 =", "c": ["2", "3"], "a": 0}\n{"q": "2 + 2 =", "c": ["5", "4"], "a": 1}\n'
+        )
+    with open(f"{work}/tiny.toml", "w") as f:
+        f.write('name = "tiny"\nkind = "multiple_choice"\ndata = "tiny.jsonl"\n')
+        f.write('context = "{q}"\nchoices = "c"\ntarget = "a"\n')
     everything = [
         *common,
         "--job.dump_folder",
@@ -147,6 +156,18 @@ def main(out: str, work: str) -> None:
         "1",
         "--validation.local_batch_size",
         "2",
+        "--eval.tasks",
+        f"{work}/tiny.toml",
+        "--eval.freq",
+        "3",  # not a step of this 2-step run: at_end scores the last
+        "--eval.at_end",
+        "--eval.max_examples",
+        "2",
+        "--eval.local_batch_size",
+        "2",
+        "--eval.add_bos",
+        "false",
+        "--eval.log_samples",
         "--profiling.enable_profiling",
         "--profiling.profile_freq",
         "1",

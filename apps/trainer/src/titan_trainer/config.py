@@ -7,6 +7,7 @@ unchanged. Run `titan-train --help` for every option with its default.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -301,7 +302,7 @@ class Metrics:
     """Peak TFLOP/s for MFU. None: the datasheet value for known GPUs, else measured at start-up."""
     save_plots_folder: str = "plots"
     """At the end of the run, loss, throughput and memory curves as PNG go here (relative to
-    job.dump_folder; rank 0); empty turns them off. Needs matplotlib (titan-llm-trainer[plots])."""
+    job.dump_folder; rank 0), and one per [eval] task; empty turns them off. Needs matplotlib (titan-llm-trainer[plots])."""
     enable_wandb: bool = False
     """Log the same scalars to Weights & Biases (pip install 'titan-llm-trainer[wandb]'); project, entity, name and online/offline from WANDB_PROJECT (default titan), WANDB_ENTITY, WANDB_NAME (default job.description), WANDB_MODE."""
     max_attention_logit: bool = False
@@ -384,6 +385,53 @@ class Validation:
 
 
 @dataclass
+class Eval:
+    tasks: list[str] = field(default_factory=list)
+    """Downstream tasks to score during training: paths of task specs (.toml beside a .jsonl or
+    .parquet file of items; multiple choice, last word, perplexity), scored as
+    lm-evaluation-harness scores them. Empty: no evaluation. See docs/eval.md."""
+    freq: int = 1000
+    """Evaluate every this many steps."""
+    at_end: bool = True
+    """Also evaluate after the last step."""
+    max_examples: int = -1
+    """Score only the first this many items of each task; -1 scores them all."""
+    local_batch_size: int = 8
+    """Requests (a context and one continuation) per forward on each data-parallel rank; each is
+    padded to the longest of its forward (to training.seq_len under pipeline parallel or
+    compile, whose shapes are fixed)."""
+    add_bos: bool = True
+    """Encode each text with BOS first where the tokenizer starts documents with one (as training
+    did, and as lm-eval's hf model does by default); false encodes without (lm-eval's
+    add_bos_token=False)."""
+    log_samples: bool = False
+    """Also write each item's log-likelihoods and prediction to
+    eval_samples/step-<N>/<task>.jsonl in the dump folder (lm-eval's log_samples)."""
+
+    def validate(self) -> list[str]:
+        problems = []
+        if self.freq < 1:
+            problems.append(
+                f"[eval] freq = {self.freq} is not valid\nuse a positive number of steps"
+            )
+        if self.local_batch_size < 1:
+            problems.append(
+                f"[eval] local_batch_size = {self.local_batch_size} is not valid\nuse 1 or more requests per forward"
+            )
+        if self.max_examples == 0 or self.max_examples < -1:
+            problems.append(
+                f"[eval] max_examples = {self.max_examples} is not valid\nuse -1 for every item, or a positive count"
+            )
+        missing = [t for t in self.tasks if not os.path.isfile(t)]
+        if missing:
+            problems.append(
+                f"[eval] tasks: no task spec at {', '.join(missing)}\ngive the paths of task .toml files"
+                " (apps/trainer/tasks/ has examples)"
+            )
+        return problems
+
+
+@dataclass
 class DryRun:
     world_size: int | None = None
     """Ranks to simulate with `--dry-run`; none takes the product of the parallelism degrees,
@@ -453,5 +501,6 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     dry_run: DryRun = field(default_factory=DryRun)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

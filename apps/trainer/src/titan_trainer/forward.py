@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Callable
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -32,6 +33,7 @@ class MicrobatchRunner:
         `model_kwargs`)."""
         self._scale = 1.0
         self._summing = False
+        self._rows: list[torch.Tensor] | None = None
 
     @property
     def form(self) -> ParallelForm:
@@ -52,6 +54,10 @@ class MicrobatchRunner:
     def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss the pipeline's last stage and a plain forward take: times the step's scale
         (1 / microbatches) in training, the sum over the counted tokens in evaluation."""
+        if self._rows is not None:  # eval_rows: each row's sums, kept; the schedule gets the total
+            rows = row_scores(self.form.loss_fn, output, target)
+            self._rows.append(rows)
+            return rows[:, 0].sum()
         if self._summing:
             return _token_sum(self.form.loss_fn(output, target), target)
         return self.form.loss_fn(output, target) * self._scale
@@ -129,6 +135,34 @@ class MicrobatchRunner:
                 total = self._pipeline_eval(inputs, labels, kwargs)
         return total.float(), tokens
 
+    def eval_rows(
+        self, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Per row of the batch (`[rows, 2]`, float32 on the device): the loss summed over the
+        row's counted tokens, and how many of them the model's top choice misses; for this
+        rank's context-parallel piece (sum both over the context-parallel ranks), on every
+        pipeline rank. One forward for the batch (under PP, the forward-only schedule in pieces
+        of the training local batch's size)."""
+        inputs, labels = self._own_batch(inputs, labels)
+        kwargs = self.model_kwargs(inputs)
+        with torch.no_grad(), self._contexts(parts, inputs, labels):
+            if self.form.pipeline is None:
+                (model,) = parts
+                return row_scores(self.form.loss_fn, model(inputs, **kwargs), labels).float()
+            self._rows = []
+            try:
+                self._pipeline_eval(inputs, labels, kwargs)
+                mine = self._rows
+            finally:
+                self._rows = None
+        # Only the last stage computed the rows: a sum where one rank contributes.
+        rows = (
+            torch.cat(mine).float()
+            if mine
+            else torch.zeros(inputs.shape[0], 2, dtype=torch.float32, device=self.device)
+        )
+        return funcol.all_reduce(rows, reduceOp="sum", group=self.dims.mesh("pp"))
+
     def _pipeline_eval(self, inputs, labels, kwargs) -> torch.Tensor:
         """The forward-only schedule over pieces of the training local batch's size (the
         stages exchange tensors of the training microbatch's shape), summed; on every rank."""
@@ -181,6 +215,26 @@ class MicrobatchRunner:
         if self.form.autocast is not None:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.form.autocast))
         return stack
+
+
+def row_scores(loss_fn, output, labels: torch.Tensor) -> torch.Tensor:
+    """`[rows, 2]`: each row's loss summed over its counted tokens (`loss_fn` on the row alone,
+    the training loss as it is: loss parallel's vocabulary-sharded logits included), and how
+    many counted tokens' top logit is not the label. A multi-token-prediction model's tuple
+    of logits is scored by its next-token logits."""
+    if isinstance(output, tuple):
+        output = output[0]
+    sums, misses = [], []
+    for row in range(labels.shape[0]):
+        target = labels[row : row + 1]
+        logits = output[row : row + 1]
+        sums.append(_token_sum(loss_fn(logits, target), target))
+        counted = target != IGNORE_INDEX
+        if isinstance(logits, DTensor):  # vocabulary-sharded: the row's logits whole
+            logits = logits.full_tensor()
+        top = logits.argmax(dim=-1)
+        misses.append(((top != target) & counted).sum().float())
+    return torch.stack([torch.stack(sums), torch.stack(misses)], dim=1)
 
 
 def _token_sum(mean: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

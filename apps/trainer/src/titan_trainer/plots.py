@@ -140,7 +140,7 @@ def _figure(title: str, ylabel: str):
 
 def write_run_plots(series: Series, out_folder: str, title: str = "") -> list[str]:
     """loss.png, throughput.png and memory.png of one run into `out_folder` (those whose
-    metrics the run logged). Needs matplotlib."""
+    metrics the run logged), and a plot per downstream task. Needs matplotlib."""
     os.makedirs(out_folder, exist_ok=True)
     written = []
     for name, (what, metrics, ylabel) in RUN_PLOTS.items():
@@ -154,6 +154,28 @@ def write_run_plots(series: Series, out_folder: str, title: str = "") -> list[st
         if len(drawn) > 1:
             axes.legend()
         path = os.path.join(out_folder, name)
+        figure.savefig(path)
+        written.append(path)
+    return written + write_eval_plots(series, out_folder, title)
+
+
+def write_eval_plots(series: Series, out_folder: str, title: str = "") -> list[str]:
+    """eval_<task>.png for each task `[eval]` scored (its `eval/<task>/<metric>` scalars):
+    accuracies on a linear scale, perplexities on a log one."""
+    tasks: dict[str, list[str]] = {}
+    for key in sorted(series):
+        if key.startswith("eval/") and key.count("/") == 2 and series[key]:
+            tasks.setdefault(key.split("/")[1], []).append(key)
+    written = []
+    for task, keys in tasks.items():
+        figure, axes = _figure(f"{task}: {title}" if title else task, "score")
+        if any("perplexity" in k for k in keys):
+            axes.set_yscale("log")
+        for key in keys:
+            steps = sorted(series[key])
+            axes.plot(steps, [series[key][s] for s in steps], marker="o", label=key.split("/")[2])
+        axes.legend()
+        path = os.path.join(out_folder, f"eval_{task}.png")
         figure.savefig(path)
         written.append(path)
     return written

@@ -88,6 +88,9 @@ class ParallelRuntime:
     def eval_loss(self, parts, inputs, labels) -> tuple[torch.Tensor, torch.Tensor]:
         return self.runner.eval_loss(parts, inputs, labels)
 
+    def eval_rows(self, parts, inputs, labels) -> torch.Tensor:
+        return self.runner.eval_rows(parts, inputs, labels)
+
     # Reductions over the ranks (titan_trainer.reductions).
     def clip_grad_norm(self, parts: list[nn.Module], max_norm: float) -> torch.Tensor:
         return reductions.clip_grad_norm(parts, max_norm, self.dims)

@@ -47,6 +47,7 @@ from titan_trainer.comm import (
 )
 from titan_trainer.config import JobConfig
 from titan_trainer.data import build_loader, checkpointed_loader
+from titan_trainer.downstream import TaskEvaluator, load_tasks
 from titan_trainer.fault_tolerance import build_step_coordinator
 from titan_trainer.guards import StepGuard, claim_run_folders
 from titan_trainer.layout import Layout, layout_text
@@ -73,7 +74,7 @@ from titan_trainer.shipped import find_config_file
 from titan_trainer.step import train_step
 from titan_trainer.stopping import StopAgreement, StopRequest, close_run
 from titan_trainer.validate import Validator
-from titan_trainer.window import MetricWindow, log_window, open_window, validate
+from titan_trainer.window import MetricWindow, evaluate, log_window, open_window, validate
 
 log = get_logger("train")
 
@@ -276,6 +277,7 @@ def run_steps(run: Run) -> TrainResult:
     accum = run.batch.accumulation
     window = open_window(run)
     validator = build_validator(run) if config.validation.enable else None
+    evaluator = build_evaluator(run) if config.eval.tasks else None
     optimizer = run.optimization.optimizer
     guard = StepGuard(optimizer, config.training.max_nonfinite_in_a_row)
     batches = run.coordinator.batches(iter(run.data.loader), accum)
@@ -325,6 +327,8 @@ def run_steps(run: Run) -> TrainResult:
                     log_window(run, window, guard)
                 if validator is not None and (validator.due(state.step) or last):
                     validate(run, window, validator)
+                if evaluator is not None and evaluator.due(state.step, last):
+                    evaluate(run, window, evaluator)
                 if profile_step is not None:
                     profile_step()
                 if stopping:
@@ -384,6 +388,25 @@ def build_qk_clip(config, parts, dims) -> QKClip | None:
         tp_mesh=dims.mesh("tp") if dims.tp_enabled else None,
         reduce_meshes=[dims.mesh("dp") if dims.dp_enabled else None],
         report_mesh=dims.mesh("pp") if dims.pp_enabled else None,
+    )
+
+
+def build_evaluator(run: Run) -> TaskEvaluator:
+    """`[eval] tasks`, read and tokenized (their problems raised before the first step)."""
+    config, dims = run.config, run.dims
+    tokenizer = run.data.tokenizer
+    tasks = load_tasks(config.eval, tokenizer, config.training.seq_len)
+    dp_rank, dp_world = dp_coordinates(dims)
+    return TaskEvaluator(
+        config.eval,
+        tasks,
+        pad_id=tokenizer.pad_id,
+        seq_len=config.training.seq_len,
+        fixed_shape=dims.pp_enabled or config.compile.enable,
+        pp_rows=config.training.local_batch_size if dims.pp_enabled else 0,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        cp=dims.cp,
     )
 
 

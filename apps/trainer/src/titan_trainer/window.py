@@ -11,6 +11,7 @@ import torch
 
 from titan_core import MemoryMonitor, ParallelDims, config_to_dict, get_logger, peak_flops
 from titan_trainer.data import skipped_rows_total
+from titan_trainer.downstream import TaskEvaluator, report
 from titan_trainer.experts import ExpertLoad
 from titan_trainer.guards import StepGuard
 from titan_trainer.metrics import MetricsLogger, StepTimer
@@ -118,3 +119,9 @@ def validate(run: Run, window: MetricWindow, validator: Validator) -> None:
     log.info("step %4d | validation loss %.4f", run.state.step, loss)
     window.metrics.log_scalars(run.state.step, {"validation_loss": loss})
     window.timer.reset()  # validation time is not training throughput
+
+
+def evaluate(run: Run, window: MetricWindow, evaluator: TaskEvaluator) -> None:
+    results = evaluator.run(run.model.runtime, run.model.parts)
+    report(results, run.state.step, window.metrics, run.dump, run.info.rank, run.state.run_id)
+    window.timer.reset()  # evaluation time is not training throughput

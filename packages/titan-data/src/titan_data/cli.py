@@ -1,5 +1,7 @@
 """The `titan-data` command: `titan-data tokenize` writes a source's token ids into shards once,
-so that training reads them at memory speed; `titan-data info` describes such a folder."""
+so that training reads them at memory speed; `titan-data info` describes such a folder;
+`titan-data task-file` writes a split of a dataset already on this machine (the Hugging Face
+cache, or a local folder or file) as an evaluation task's item file."""
 
 from __future__ import annotations
 
@@ -69,6 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     tok.add_argument("--quiet", action="store_true", help="no progress bar")
     info = commands.add_parser("info", help="describe a folder of token shards")
     info.add_argument("folder")
+    task = commands.add_parser(
+        "task-file",
+        help="write a split of a locally cached dataset as an evaluation task's item file",
+        description="Write one split of DATASET (a Hugging Face dataset already in the local"
+        " cache, or a local folder or file) to OUT (.jsonl or .parquet), for an [eval] task"
+        " spec's `data`. Nothing is downloaded: a dataset the cache lacks is an error.",
+    )
+    task.add_argument("--dataset", required=True, help="hub name (owner/name) or local path")
+    task.add_argument("--name", default=None, help="the dataset's configuration (subset)")
+    task.add_argument("--split", required=True, help="the split to write (test, validation, ...)")
+    task.add_argument("--out", required=True, help="the item file to write (.jsonl or .parquet)")
+    task.add_argument("--limit", type=int, default=None, help="write only the first N rows")
     return parser
 
 
@@ -77,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "tokenize":
             return _tokenize(args)
+        if args.command == "task-file":
+            return _task_file(args)
         return _info(args.folder)
     except (DataError, ValueError, FileNotFoundError) as e:
         if isinstance(e, MissingTextField):
@@ -107,6 +123,14 @@ def _tokenize(args) -> int:
         f" {manifest['tokens']:,} tokens in {args.out}{skipped}"
         + ("" if manifest["complete"] else "; run the same command again to go on")
     )
+    return 0
+
+
+def _task_file(args) -> int:
+    from titan_data.eval_tasks import write_task_file
+
+    n = write_task_file(args.dataset, args.split, args.out, name=args.name, limit=args.limit)
+    print(f"titan-data: wrote {n:,} items of {args.dataset} ({args.split}) to {args.out}")
     return 0
 
 
