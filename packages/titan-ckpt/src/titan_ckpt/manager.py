@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from titan_ckpt import layout
+from titan_ckpt import hf_snapshots, layout
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.dcp_io import (
     SafeLoadPlanner,
@@ -87,6 +87,11 @@ class CheckpointManager:
     once that `folder` is writable and claims it for this run (`titan_core.FolderLock`); a
     second run on the same folder is refused until `close()`. `folder` may be a URL: it is
     write-tested with a small object, and not locked (object stores have no locks).
+
+    With `[checkpoint] hf_interval`, Hugging Face snapshots are written into `<folder>/hf`
+    (see hf_snapshots.py); `hf_extra_files(folder)` is called on rank 0 with each snapshot's
+    local folder to add files the manager cannot make itself (the trainer writes its
+    tokenizer's files there: titan-ckpt knows no tokenizers).
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class CheckpointManager:
         dp_rank: int = 0,
         dp_world_size: int = 1,
         hf_adapter: HFAdapter | None = None,
+        hf_extra_files: Callable[[Path], Any] | None = None,
     ):
         problems = config.validate()
         if problems:
@@ -108,6 +114,12 @@ class CheckpointManager:
         self.config_toml = config_toml
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.hf_adapter = hf_adapter
+        self.hf_extra_files = hf_extra_files
+        if config.hf_interval > 0 and hf_adapter is None:
+            raise ValueError(
+                "[checkpoint] hf_interval needs the model's HF adapter; this model has none\n"
+                "set hf_interval = 0"
+            )
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1
@@ -223,7 +235,10 @@ class CheckpointManager:
         its commit happens on a later call. A state holding NaN or inf is never saved: that
         raises CheckpointSaveError and the previous checkpoint stays the newest."""
         self._poll_pending()
+        snapshot = not force and self.hf_snapshot_due(step, last_step)
         if not (force or self.is_due(step, last_step)):
+            if snapshot:
+                self.save_hf_snapshot(step)
             return
         self.wait()
         seed = self.config.create_seed_checkpoint
@@ -260,6 +275,8 @@ class CheckpointManager:
                     step,
                     time.perf_counter() - start,
                 )
+                if snapshot:
+                    self.save_hf_snapshot(step)
                 return
             dcp.save(to_save, storage_writer=checksumming_writer(tmp), no_dist=not self._dist)
             if final and self.config.last_save_in_hf:
@@ -275,6 +292,95 @@ class CheckpointManager:
             time.perf_counter() - start,
             " (forced: a full, resumable save)" if force else "",
         )
+        if snapshot:
+            self.save_hf_snapshot(step)
+
+    # ------------------------------------------------------------------ Hugging Face snapshots
+    def hf_snapshot_due(self, step: int, last_step: bool = False) -> bool:
+        """Whether `step` gets a Hugging Face snapshot (every `hf_interval` steps and at the
+        last step, when `hf_interval` is on)."""
+        every = self.config.hf_interval
+        if every <= 0 or self.config.create_seed_checkpoint:
+            return False
+        return last_step or (step > 0 and step % every == 0)
+
+    def save_hf_snapshot(self, step: int) -> Path:
+        """Write the Hugging Face snapshot of `step` into `<folder>/hf/step-<N>` (see
+        hf_snapshots.py) and return that folder. Every rank writes its own shards of the
+        weights (`export_dtype`); rank 0 adds config.json and `hf_extra_files` (the tokenizer);
+        with `hf_save_optimizer` every state but the model goes into its `titan_state/`, a
+        DCP checkpoint. Synchronous, also under an async `async_mode` (a DCP save in flight
+        goes on in the background meanwhile): the training waits for the snapshot."""
+        start = time.perf_counter()
+        final = hf_snapshots.snapshot_dir(self.folder, step)
+        tmp = hf_snapshots.tmp_dir(self.folder, step)
+        state_dir = tmp / hf_snapshots.TITAN_STATE
+        if self.rank == 0:
+            hf_snapshots.discard(tmp)  # remains of a crashed attempt at this step
+            tmp.mkdir(parents=True)
+            if self.config.hf_save_optimizer:
+                state_dir.mkdir()
+        self._barrier()
+        record = {"step": step, "dtype": self.config.export_dtype, "titan_state": False}
+        try:
+            self._export_hf({}, tmp)
+            if self.rank == 0 and self.hf_extra_files is not None:
+                self._extra_files(tmp)
+            if self.config.hf_save_optimizer:
+                to_save = {name: s for name, s in self.states.items() if name != "model"}
+                to_save["config"] = BlobState(TextState(self.config_toml), "toml")
+                self._refuse_nonfinite(step, model_only=False)
+                dcp.save(
+                    to_save, storage_writer=checksumming_writer(state_dir), no_dist=not self._dist
+                )
+                record["titan_state"] = True
+                if self.rank == 0:
+                    layout.mark(
+                        state_dir,
+                        {
+                            "step": step,
+                            "states": sorted(to_save),
+                            "model_only": False,
+                            "world_size": self.world_size,
+                            "dp_world_size": self.dp_world_size,
+                            "finite": True,
+                        },
+                    )
+        except BaseException as e:  # raised on every rank: the writes' collectives share it
+            if self.rank == 0:
+                hf_snapshots.discard(tmp)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise CheckpointSaveError(
+                f"Hugging Face snapshot at step {step} failed: {first_line(e)}; the previous"
+                f" snapshots in {hf_snapshots.snapshots_dir(self.folder)} are untouched\n"
+                "fix the cause, or set [checkpoint] hf_interval = 0 to train without snapshots"
+            ) from e
+        self._barrier()
+        if self.rank == 0:
+            hf_snapshots.commit(tmp, final, record)
+            keep = self.config.hf_keep_latest_k
+            for path in hf_snapshots.prune(self.folder, keep, newest=step):
+                log.info("removed old Hugging Face snapshot %s (hf_keep_latest_k = %d)", path, keep)
+        self._barrier()
+        log.info(
+            "Hugging Face snapshot step %d written to %s in %.2fs%s",
+            step,
+            final,
+            time.perf_counter() - start,
+            " (with the training state)" if self.config.hf_save_optimizer else "",
+        )
+        return final
+
+    def _extra_files(self, out: Path) -> None:
+        """`hf_extra_files` into the snapshot: directly into a local folder, through a local
+        temporary folder onto an object store."""
+        if not isinstance(out, RemotePath):
+            self.hf_extra_files(out)
+            return
+        with tempfile.TemporaryDirectory(prefix="titan-hf-extra-") as local:
+            self.hf_extra_files(Path(local))
+            out.fs.put(local + "/", out.path, recursive=True)
 
     def _refuse_nonfinite(self, step: int, model_only: bool) -> None:
         # The live model and optimizer, not the export-dtype copy a model-only save writes.
@@ -662,7 +768,9 @@ class CheckpointManager:
             # Every rank reads the parts of the files its own shards need.
             load_hf_weights(self._model_parts, self.hf_adapter, path, progress=self.rank == 0)
             log.info("initialised the model from Hugging Face weights in %s", path)
-            return 0
+            if cfg.initial_load_model_only:
+                return 0
+            return self._load_titan_state(path)
         if not layout.is_complete(path):
             raise CheckpointNotFoundError(
                 f"[checkpoint] initial_load_path = {str(path)!r} is not a complete checkpoint"
@@ -693,6 +801,42 @@ class CheckpointManager:
             )
         log.info("initialised from %s (%s)", path, ", ".join(sorted(request)))
         return 0
+
+    def _load_titan_state(self, snapshot: Path) -> int:
+        """Everything but the weights from a Hugging Face snapshot's `titan_state/` (saved with
+        `hf_save_optimizer`); returns its step."""
+        path = snapshot / hf_snapshots.TITAN_STATE
+        where = f"[checkpoint] initial_load_path = {str(snapshot)!r}"
+        if not layout.is_complete(path):
+            raise CheckpointNotFoundError(
+                f"{where} with initial_load_model_only = false needs the training state beside"
+                f" the weights ({hf_snapshots.TITAN_STATE}/, saved with [checkpoint]"
+                " hf_save_optimizer = true), and this folder has none\nset"
+                " initial_load_model_only = true to start from the weights alone"
+            )
+        problem = self._problems(path)
+        if problem is not None:
+            raise CheckpointLoadError(f"{where} is not usable: {problem}")
+        record = layout.read_commit(path)
+        request, skipped = self._request(checkpoint_keys(path), record)
+        request.pop("model", None)
+        try:
+            self._read(request, path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with the path
+            reason = state_mismatch(e) or corrupt_data(e) or failure_reason(e) or first_line(e)
+            raise CheckpointLoadError(f"{where} is not usable: {reason}") from e
+        bad = self._loaded_nonfinite(request)
+        if bad:
+            raise CheckpointLoadError(f"{where} holds NaN or inf in {', '.join(bad[:5])}")
+        note = f"; not restored: {', '.join(skipped)}" if skipped else ""
+        log.info(
+            "resumed from the Hugging Face snapshot %s (step %d: weights, %s)%s",
+            snapshot,
+            record["step"],
+            ", ".join(sorted(request)),
+            note,
+        )
+        return int(record["step"])
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
