@@ -64,7 +64,8 @@ def _args(dump, data, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory, same_doc_dataset):
-    """A one-process run: snapshots every 2 steps, the newest 2 kept, with the training state."""
+    """A one-process run: snapshots every 2 steps, the newest 2 kept, with the training state;
+    async checkpoints, so the snapshots' weights are written in the background."""
     tmp = tmp_path_factory.mktemp("one")
     result = run_cli(
         _args(
@@ -73,6 +74,8 @@ def one(tmp_path_factory, same_doc_dataset):
             "--checkpoint.hf_keep_latest_k",
             "2",
             "--checkpoint.hf_save_optimizer",
+            "--checkpoint.async_mode",
+            "async",
         )
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -86,6 +89,7 @@ def test_snapshots_at_the_interval_load_in_transformers_with_titans_logits(one):
     # Steps 2, 4, 6 written; hf_keep_latest_k = 2 removed step 2; nothing unfinished is left.
     assert sorted(p.name for p in hf.iterdir()) == ["step-4", "step-6"]
     assert "removed old Hugging Face snapshot" in run.stdout + run.stderr
+    assert "Hugging Face snapshot step 2: staged in" in run.stdout + run.stderr
     for step in (4, 6):
         marker = json.loads((hf / f"step-{step}" / "titan_snapshot.json").read_text())
         assert marker["step"] == step and marker["titan_state"] is True
@@ -149,7 +153,8 @@ def test_a_run_started_from_a_snapshot_with_its_state_repeats_the_next_losses(
 @pytest.mark.slow
 def test_two_fsdp_processes_write_the_snapshots_one_process_writes(one, same_doc_dataset, tmp_path):
     """2 data-parallel ranks (FSDP over gloo) x local batch 2 = the one-process run's batch of
-    4, the same samples; each rank writes its own shards of the snapshot."""
+    4, the same samples; each rank writes its own shards of the snapshot, in the background
+    over the snapshots' own gloo group."""
     tmp, _ = one
     result = run_cli(
         _args(
@@ -159,10 +164,13 @@ def test_two_fsdp_processes_write_the_snapshots_one_process_writes(one, same_doc
             "2",
             "--checkpoint.hf_interval",
             "4",
+            "--checkpoint.async_mode",
+            "async",
         ),
         nproc=2,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Hugging Face snapshot step 4: staged in" in result.stdout + result.stderr
     assert sorted(p.name for p in (tmp_path / "checkpoint" / "hf").iterdir()) == [
         "step-4",
         "step-6",

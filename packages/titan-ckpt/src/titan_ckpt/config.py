@@ -45,8 +45,9 @@ class Checkpoint:
     """Every this many steps (and at the last step), write a Hugging Face snapshot (0: none):
     safetensors in `export_dtype` (each rank writes its own shards), config.json and the
     tokenizer's files, into `<folder>/hf/step-<N>`, a folder that appears only once complete
-    (needs a model with an HF adapter). Written synchronously, also with an async `async_mode`:
-    the training waits while the snapshot is written."""
+    (needs a model with an HF adapter). With an async `async_mode` the weights are copied to
+    CPU memory and written in the background (the training waits for the copy only); otherwise,
+    and for `hf_save_optimizer`'s state, the training waits for the write."""
     hf_keep_latest_k: int = 0
     """Keep only the newest this many Hugging Face snapshots (`hf_interval`; 0 keeps all)."""
     hf_save_optimizer: bool = False

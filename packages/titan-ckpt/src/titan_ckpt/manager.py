@@ -15,7 +15,7 @@ import errno
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,12 @@ from titan_ckpt.errors import (
     state_mismatch,
 )
 from titan_ckpt.hf import DTYPES, export_hf
-from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
+from titan_ckpt.hf_sharded import (
+    StagedWeights,
+    load_hf_weights,
+    save_hf_weights,
+    stage_hf_weights,
+)
 from titan_ckpt.integrity import checksumming_writer, nonfinite_entries
 from titan_ckpt.preflight import size_text
 from titan_ckpt.safe_read import safe_reader
@@ -54,7 +59,7 @@ from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, T
 from titan_ckpt.storage import RemotePath, as_path, check_remote_writable, is_url
 from titan_core.distributed import any_rank
 from titan_core.log import get_logger
-from titan_core.protocols import GLOBAL_STATE, HFAdapter
+from titan_core.protocols import GLOBAL_STATE, HFAdapter, is_sliced_hf_adapter
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 
 log = get_logger("ckpt")
@@ -69,6 +74,15 @@ class _Pending:
     record: dict[str, Any]
     upload: Future
     staging: Future | None
+
+
+@dataclass
+class _HFPending:
+    """A Hugging Face snapshot being written in the background."""
+
+    step: int
+    tmp: Path
+    done: Future
 
 
 class CheckpointManager:
@@ -137,6 +151,13 @@ class CheckpointManager:
             self._claim_folder()
         if config.async_mode != "disabled":
             self._setup_async(states.get("optimizer"))
+        self._hf_pending: _HFPending | None = None
+        self._hf_threads: ThreadPoolExecutor | None = None
+        self._hf_pg = None
+        if config.hf_interval > 0 and config.async_mode != "disabled" and self.world_size > 1:
+            # Snapshots written in the background run their collectives beside the training's
+            # and the async DCP save's: a group of their own.
+            self._hf_pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ set-up
     def _wrap(self, states: Mapping[str, Any]) -> dict[str, Any]:
@@ -309,8 +330,15 @@ class CheckpointManager:
         hf_snapshots.py) and return that folder. Every rank writes its own shards of the
         weights (`export_dtype`); rank 0 adds config.json and `hf_extra_files` (the tokenizer);
         with `hf_save_optimizer` every state but the model goes into its `titan_state/`, a
-        DCP checkpoint. Synchronous, also under an async `async_mode` (a DCP save in flight
-        goes on in the background meanwhile): the training waits for the snapshot."""
+        DCP checkpoint.
+
+        With an async `async_mode` (and a local folder, and an adapter that converts box by
+        box) the weights are written in the background: this returns once each rank has
+        copied its own shards to CPU memory (as DCP's async staging copies them), and a
+        thread writes the files over a gloo group of its own and commits the snapshot; the
+        next snapshot, and `close()`, wait for it first. `titan_state/` is written before
+        that, synchronously (a DCP save), and so is the whole snapshot otherwise."""
+        self.wait_hf_snapshot()
         start = time.perf_counter()
         final = hf_snapshots.snapshot_dir(self.folder, step)
         tmp = hf_snapshots.tmp_dir(self.folder, step)
@@ -323,54 +351,109 @@ class CheckpointManager:
         self._barrier()
         record = {"step": step, "dtype": self.config.export_dtype, "titan_state": False}
         try:
-            self._export_hf({}, tmp)
-            if self.rank == 0 and self.hf_extra_files is not None:
-                self._extra_files(tmp)
             if self.config.hf_save_optimizer:
-                to_save = {name: s for name, s in self.states.items() if name != "model"}
-                to_save["config"] = BlobState(TextState(self.config_toml), "toml")
-                self._refuse_nonfinite(step, model_only=False)
-                dcp.save(
-                    to_save, storage_writer=checksumming_writer(state_dir), no_dist=not self._dist
-                )
+                self._save_titan_state(step, state_dir)
                 record["titan_state"] = True
-                if self.rank == 0:
-                    layout.mark(
-                        state_dir,
-                        {
-                            "step": step,
-                            "states": sorted(to_save),
-                            "model_only": False,
-                            "world_size": self.world_size,
-                            "dp_world_size": self.dp_world_size,
-                            "finite": True,
-                        },
-                    )
+            if self._hf_in_background(tmp):
+                staged = stage_hf_weights(self._model_parts)
+                self._hf_pending = _HFPending(
+                    step,
+                    tmp,
+                    self._hf_executor().submit(
+                        self._write_snapshot, step, staged, tmp, final, record, start
+                    ),
+                )
+                log.info(
+                    "Hugging Face snapshot step %d: staged in %.2fs, writing in the background",
+                    step,
+                    time.perf_counter() - start,
+                )
+                return final
+            self._write_snapshot(step, self._model_parts, tmp, final, record, start)
         except BaseException as e:  # raised on every rank: the writes' collectives share it
-            if self.rank == 0:
-                hf_snapshots.discard(tmp)
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            raise CheckpointSaveError(
-                f"Hugging Face snapshot at step {step} failed: {first_line(e)}; the previous"
-                f" snapshots in {hf_snapshots.snapshots_dir(self.folder)} are untouched\n"
-                "fix the cause, or set [checkpoint] hf_interval = 0 to train without snapshots"
-            ) from e
-        self._barrier()
+            self._snapshot_failed(e, step, tmp)
+        return final
+
+    def _hf_in_background(self, tmp: Path) -> bool:
+        return (
+            self.config.async_mode != "disabled"
+            and not isinstance(tmp, RemotePath)
+            and is_sliced_hf_adapter(self.hf_adapter)
+        )
+
+    def _hf_executor(self) -> ThreadPoolExecutor:
+        if self._hf_threads is None:
+            self._hf_threads = ThreadPoolExecutor(1, thread_name_prefix="titan-hf-snapshot")
+        return self._hf_threads
+
+    def _save_titan_state(self, step: int, state_dir: Path) -> None:
+        to_save = {name: s for name, s in self.states.items() if name != "model"}
+        to_save["config"] = BlobState(TextState(self.config_toml), "toml")
+        self._refuse_nonfinite(step, model_only=False)
+        dcp.save(to_save, storage_writer=checksumming_writer(state_dir), no_dist=not self._dist)
         if self.rank == 0:
+            layout.mark(
+                state_dir,
+                {
+                    "step": step,
+                    "states": sorted(to_save),
+                    "model_only": False,
+                    "world_size": self.world_size,
+                    "dp_world_size": self.dp_world_size,
+                    "finite": True,
+                },
+            )
+
+    def _write_snapshot(
+        self, step: int, weights: Any, tmp: Path, final: Path, record: dict, start: float
+    ) -> None:
+        """The weights (from the model, or from the copies `stage_hf_weights` made, in the
+        background thread over `_hf_pg`), the extra files, the commit and the pruning."""
+        background = isinstance(weights, StagedWeights)
+        if background:
+            save_hf_weights(
+                weights, self.hf_adapter, tmp, dtype=self.config.export_dtype, group=self._hf_pg
+            )
+        else:
+            self._export_hf({}, tmp)
+        # Every rank's files are complete (the write's last step is a collective).
+        if self.rank == 0:
+            if self.hf_extra_files is not None:
+                self._extra_files(tmp)
             hf_snapshots.commit(tmp, final, record)
             keep = self.config.hf_keep_latest_k
             for path in hf_snapshots.prune(self.folder, keep, newest=step):
                 log.info("removed old Hugging Face snapshot %s (hf_keep_latest_k = %d)", path, keep)
-        self._barrier()
+        if self._dist and self.world_size > 1:
+            dist.barrier(group=self._hf_pg if background else None)
         log.info(
             "Hugging Face snapshot step %d written to %s in %.2fs%s",
             step,
             final,
             time.perf_counter() - start,
-            " (with the training state)" if self.config.hf_save_optimizer else "",
+            " (with the training state)" if record["titan_state"] else "",
         )
-        return final
+
+    def wait_hf_snapshot(self) -> None:
+        """Finish a Hugging Face snapshot written in the background (it commits itself)."""
+        pending, self._hf_pending = self._hf_pending, None
+        if pending is None:
+            return
+        try:
+            pending.done.result()
+        except BaseException as e:
+            self._snapshot_failed(e, pending.step, pending.tmp)
+
+    def _snapshot_failed(self, error: BaseException, step: int, tmp: Path) -> None:
+        if self.rank == 0:
+            hf_snapshots.discard(tmp)
+        if isinstance(error, KeyboardInterrupt):
+            raise error
+        raise CheckpointSaveError(
+            f"Hugging Face snapshot at step {step} failed: {first_line(error)}; the previous"
+            f" snapshots in {hf_snapshots.snapshots_dir(self.folder)} are untouched\n"
+            "fix the cause, or set [checkpoint] hf_interval = 0 to train without snapshots"
+        ) from error
 
     def _extra_files(self, out: Path) -> None:
         """`hf_extra_files` into the snapshot: directly into a local folder, through a local
@@ -843,9 +926,13 @@ class CheckpointManager:
         """Finish and commit an in-flight save, release the stager and hooks, and let go of
         the folder."""
         try:
+            self.wait_hf_snapshot()
             self.wait()
             self._barrier()
         finally:
+            if self._hf_threads is not None:
+                self._hf_threads.shutdown()
+                self._hf_threads = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
