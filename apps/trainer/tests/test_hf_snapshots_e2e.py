@@ -212,6 +212,12 @@ def test_bad_snapshot_settings_are_refused_before_training():
         ["--checkpoint.enable", "--checkpoint.hf_save_optimizer"]
     )
     assert "enable = false saves nothing" in _problems(["--checkpoint.hf_interval", "5"])
+    assert "[checkpoint] hf_interval with qwen3 debugmodel_moe's router centering" in _problems(
+        [
+            *("--model.name", "qwen3", "--model.flavor", "debugmodel_moe"),
+            *("--checkpoint.enable", "--checkpoint.hf_interval", "5"),
+        ]
+    )
 
 
 def test_a_model_without_a_hugging_face_adapter_is_refused(tmp_path):

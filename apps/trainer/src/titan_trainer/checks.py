@@ -317,10 +317,11 @@ def _hf_export_problems(config: JobConfig, flavor: ModelArgs | None) -> list[str
     if not m.experts(flavor.moe).router_centering:
         return []
     key = "last_save_in_hf" if ckpt.last_save_in_hf else "hf_interval"
+    what = "the export at the end of the run" if ckpt.last_save_in_hf else "the first snapshot"
     return [
         f"[checkpoint] {key} with {m.name} {m.flavor}'s router centering"
         " ([model] moe_router_centering): a Hugging Face router has no place for the center,"
-        " so the Hugging Face export would fail\nset --model.moe_router_centering"
+        f" so {what} would fail\nset --model.moe_router_centering"
         f" false to train a model that exports, or leave {key} off"
     ]
 
