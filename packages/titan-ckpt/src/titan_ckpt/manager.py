@@ -291,19 +291,21 @@ class CheckpointManager:
         try:
             if use_async:
                 self._pending = self._start_async(step, tmp, record, to_save)
-                log.info(
-                    "checkpoint step %d: staged in %.2fs, writing in the background",
-                    step,
-                    time.perf_counter() - start,
-                )
-                if snapshot:
-                    self.save_hf_snapshot(step)
-                return
-            dcp.save(to_save, storage_writer=checksumming_writer(tmp), no_dist=not self._dist)
-            if final and self.config.last_save_in_hf:
-                self._export_hf(to_save, tmp / "hf")
+            else:
+                dcp.save(to_save, storage_writer=checksumming_writer(tmp), no_dist=not self._dist)
+                if final and self.config.last_save_in_hf:
+                    self._export_hf(to_save, tmp / "hf")
         except BaseException as e:
             self._fail(e, step, tmp)
+        if use_async:
+            log.info(
+                "checkpoint step %d: staged in %.2fs, writing in the background",
+                step,
+                time.perf_counter() - start,
+            )
+            if snapshot:  # outside the save's error handling: its own failure is its own
+                self.save_hf_snapshot(step)
+            return
         self._commit(step, tmp, record)
         self._barrier()
         log.info(
