@@ -267,3 +267,33 @@ def test_readme_remote_commands_run_as_shown(s3, tmp_path, monkeypatch, capsys):
         s3fs.S3FileSystem.clear_instance_cache()
     err = capsys.readouterr().err
     assert err.startswith("titan-ckpt: error: the storage refused: NoCredentialsError"), err
+
+
+def test_hf_snapshots_on_s3_commit_by_their_marker_and_are_pruned(s3, tmp_path):
+    from ckpt_toy_hf import SlicedToyAdapter, ToyAdapter, ToyArgs  # noqa: PLC0415
+
+    from titan_ckpt import import_hf  # noqa: PLC0415
+    from titan_ckpt.hf_snapshots import list_snapshots  # noqa: PLC0415
+
+    url = "s3://titan/snapshots"
+    run = build_run(dropout=0.0)
+    config = Checkpoint(
+        enable=True, interval=100, hf_interval=2, hf_keep_latest_k=1, hf_save_optimizer=True
+    )
+    manager = CheckpointManager(
+        config,
+        run.states(),
+        url,
+        hf_adapter=SlicedToyAdapter(ToyArgs()),
+        hf_extra_files=lambda folder: (folder / "tokenizer.json").write_text("{}"),
+    )
+    train(run, 4, manager, last_step=4)
+    manager.close()
+    assert [s for s, _ in list_snapshots(url)] == [4]
+    names = [n for n in _objects(s3, url) if n.startswith("hf/")]
+    assert {"hf/step-4/titan_snapshot.json", "hf/step-4/tokenizer.json"} <= set(names), names
+    assert "hf/step-4/titan_state/titan_commit.json" in names
+    assert not any(n.startswith("hf/step-2/") for n in names), names
+    s3.get(url.removeprefix("s3://") + "/hf/step-4", str(tmp_path / "hf"), recursive=True)
+    back = import_hf(tmp_path / "hf", ToyAdapter(ToyArgs()), progress=False)
+    assert_same(full_model(run.model), back, "snapshot on S3")

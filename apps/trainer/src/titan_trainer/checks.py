@@ -104,6 +104,7 @@ def check_config(
     problems += _expert_problems(config, layout)
     problems += _balance_problems(config, flavor)
     problems += _hf_export_problems(config, flavor)
+    problems += _hf_snapshot_problems(config, spec)
     problems += _tensor_parallel_problems(config, layout)
     problems += _loss_chunk_problems(config, dims, flavor)
     problems += _batch_and_length_problems(config, layout.batch if layout else None, dims)
@@ -310,16 +311,33 @@ def _hf_export_problems(config: JobConfig, flavor: ModelArgs | None) -> list[str
     """A router that reads a centered input has no counterpart in Hugging Face's models: the
     export at the end of the run would fail after the training, so refuse it before."""
     m = config.model
-    if not config.checkpoint.last_save_in_hf or flavor is None or flavor.moe is None:
+    ckpt = config.checkpoint
+    if not (ckpt.last_save_in_hf or ckpt.hf_interval > 0) or flavor is None or flavor.moe is None:
         return []
     if not m.experts(flavor.moe).router_centering:
         return []
+    key = "last_save_in_hf" if ckpt.last_save_in_hf else "hf_interval"
+    what = "the export at the end of the run" if ckpt.last_save_in_hf else "the first snapshot"
     return [
-        f"[checkpoint] last_save_in_hf with {m.name} {m.flavor}'s router centering"
+        f"[checkpoint] {key} with {m.name} {m.flavor}'s router centering"
         " ([model] moe_router_centering): a Hugging Face router has no place for the center,"
-        " so the export at the end of the run would fail\nset --model.moe_router_centering"
-        " false to train a model that exports, or leave last_save_in_hf off"
+        f" so {what} would fail\nset --model.moe_router_centering"
+        f" false to train a model that exports, or leave {key} off"
     ]
+
+
+def _hf_snapshot_problems(config: JobConfig, spec) -> list[str]:
+    """Hugging Face snapshots (`hf_interval`) need the model's HF adapter: refused before
+    training rather than at the first snapshot."""
+    ckpt, m = config.checkpoint, config.model
+    problems = []
+    if ckpt.hf_interval > 0 and spec is not None and not spec.hf_adapter:
+        problems.append(
+            f"[checkpoint] hf_interval = {ckpt.hf_interval} writes Hugging Face snapshots, and"
+            f" {m.name} has no Hugging Face adapter\nset hf_interval = 0, or train a model"
+            " that has one (e.g. llama3)"
+        )
+    return problems
 
 
 def _seq_len_problems(section: str, seq_len: int, dims: ParallelDims) -> list[str]:

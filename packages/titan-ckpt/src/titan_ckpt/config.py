@@ -41,11 +41,27 @@ class Checkpoint:
     last_save_in_hf: bool = False
     """At the last step, also write Hugging Face safetensors + config.json into `step-<N>/hf`
     (needs a model with an HF adapter); each rank writes its own shards, none gathers the model."""
+    hf_interval: int = 0
+    """Every this many steps (and at the last step), write a Hugging Face snapshot (0: none):
+    safetensors in `export_dtype` (each rank writes its own shards), config.json and the
+    tokenizer's files, into `<folder>/hf/step-<N>`, a folder that appears only once complete
+    (needs a model with an HF adapter). With an async `async_mode` the weights are copied to
+    CPU memory and written in the background (the training waits for the copy only); otherwise,
+    and for `hf_save_optimizer`'s state, the training waits for the write."""
+    hf_keep_latest_k: int = 0
+    """Keep only the newest this many Hugging Face snapshots (`hf_interval`; 0 keeps all)."""
+    hf_save_optimizer: bool = False
+    """With each Hugging Face snapshot, also save the rest of the training state (optimizer, LR
+    schedule, data position, train state, RNG) in its `titan_state/` folder (a DCP checkpoint),
+    so that a run resumes from the snapshot: `initial_load_path` = the snapshot,
+    `initial_load_in_hf` = true, `initial_load_model_only` = false."""
     initial_load_path: str | None = None
     """A checkpoint to start from when `folder` holds none (a `step-<N>` folder, or a Hugging Face
     folder with `initial_load_in_hf`)."""
     initial_load_model_only: bool = True
-    """Take only the model weights from `initial_load_path` (fine-tuning from a pretrained model)."""
+    """Take only the model weights from `initial_load_path` (fine-tuning from a pretrained model).
+    false takes the whole training state; with `initial_load_in_hf`, that needs a snapshot
+    saved with `hf_save_optimizer`."""
     initial_load_in_hf: bool = False
     """`initial_load_path` holds Hugging Face safetensors (needs a model with an HF adapter); each
     rank reads only the parts of the files its own shards need."""
@@ -90,9 +106,26 @@ class Checkpoint:
             problems.append(
                 "[checkpoint] initial_load_in_hf = true needs initial_load_path\nname the HF folder"
             )
-        if self.initial_load_in_hf and not self.initial_load_model_only:
+        for key in ("hf_interval", "hf_keep_latest_k"):
+            if getattr(self, key) < 0:
+                problems.append(
+                    f"[checkpoint] {key} = {getattr(self, key)} is not valid\n"
+                    + (
+                        "use 0 for no snapshots, or a positive number of steps"
+                        if key == "hf_interval"
+                        else "use 0 to keep all, or a positive count"
+                    )  # fmt: skip
+                )
+        if self.hf_save_optimizer and self.hf_interval <= 0:
             problems.append(
-                "[checkpoint] initial_load_in_hf = true holds model weights only\nset initial_load_model_only = true"
+                "[checkpoint] hf_save_optimizer = true saves beside Hugging Face snapshots, and"
+                " hf_interval = 0 writes none\nset hf_interval to a positive number of steps, or"
+                " leave hf_save_optimizer off"
+            )
+        if self.hf_interval > 0 and not self.enable:
+            problems.append(
+                "[checkpoint] hf_interval writes into the checkpoint folder, and enable = false"
+                " saves nothing\nset [checkpoint] enable = true, or hf_interval = 0"
             )
         return problems
 

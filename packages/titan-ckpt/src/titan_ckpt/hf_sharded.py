@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -144,6 +146,7 @@ def save_hf_weights(
     dtype: str | torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
     progress: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> list[Path]:
     """Write the model's weights as an HF safetensors folder from every rank's local shards.
 
@@ -153,7 +156,17 @@ def save_hf_weights(
     `config.json` is the adapter's. Each tensor's bytes are written once, by the first rank
     holding each box (replicas skip). Returns the files written (the same list on every rank).
     A tensor the adapter refuses (ValueError: a format that cannot hold it) is refused on
-    every rank before any file is made."""
+    every rank before any file is made. `group`: the process group of its collectives
+    (default: the default group; a gloo group of its own lets it run in a background thread
+    while training runs its collectives)."""
+    token = _GROUP.set(group)
+    try:
+        return _save_hf_weights(model, adapter, out_dir, dtype, max_shard_bytes, progress)
+    finally:
+        _GROUP.reset(token)
+
+
+def _save_hf_weights(model, adapter, out_dir, dtype, max_shard_bytes, progress) -> list[Path]:
     out = Path(out_dir)
     if not is_sliced_hf_adapter(adapter):
         _note_whole(adapter)
@@ -167,16 +180,16 @@ def save_hf_weights(
         return written
     cast = DTYPES[dtype] if isinstance(dtype, str) else dtype
     config = dict(adapter.hf_config())  # refuses an unrepresentable model, alike on every rank
-    state = _state(model)
-    writers = _writers(state)
+    staged = model if isinstance(model, StagedWeights) else stage_hf_weights(model, copy=False)
+    writers = staged.writers
 
     # Which tensors the folder holds: each rank reports the ones whose first element it writes.
     found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     refused = []
     for name in writers:
-        local, index = _local_box(state[name])
+        local, index, shape = staged.boxes[name]
         try:
-            slices = adapter.to_hf_slices(name, tuple(state[name].shape), index, local)
+            slices = adapter.to_hf_slices(name, shape, index, local)
         except (KeyError, ValueError) as e:
             refused.append(str(e).strip("'\""))
             continue
@@ -203,10 +216,10 @@ def save_hf_weights(
     writer = BoxWriter(out, plan)
     try:
         for name in tqdm(writers, desc="write HF weights", disable=not progress):
-            local, index = _local_box(state[name])
+            local, index, shape = staged.boxes[name]
             if local.numel() == 0:
                 continue
-            for hf, piece in adapter.to_hf_slices(name, tuple(state[name].shape), index, local):
+            for hf, piece in adapter.to_hf_slices(name, shape, index, local):
                 writer.write(hf, piece)
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         errors.append(f"{type(e).__name__}: {e}")
@@ -219,6 +232,33 @@ def save_hf_weights(
         raise CheckpointSaveError(f"writing Hugging Face weights to {out} failed: {errors[0]}")
     index = [out / INDEX_FILE] if len(plan.files) > 1 else []
     return [out / f for f in plan.files] + index + [out / "config.json"]
+
+
+@dataclass
+class StagedWeights:
+    """The boxes of the weights this rank writes into a Hugging Face folder (`save_hf_weights`
+    takes it in place of the model): name -> (its local part, where that lies in the full
+    tensor, the full shape), in the order they are written."""
+
+    boxes: dict[str, tuple[torch.Tensor, Box, tuple[int, ...]]]
+
+    @property
+    def writers(self) -> list[str]:
+        return list(self.boxes)
+
+
+def stage_hf_weights(model: Weights, *, copy: bool = True) -> StagedWeights:
+    """The part of the model's weights this rank writes (`save_hf_weights`), as CPU copies
+    with `copy`: the model may train on while they are written in the background. A
+    collective (which rank writes a box held by several)."""
+    state = _state(model)
+    boxes = {}
+    for name in _writers(state):
+        local, index = _local_box(state[name])
+        if copy:
+            local = local.detach().to("cpu", copy=True)
+        boxes[name] = (local, index, tuple(state[name].shape))
+    return StagedWeights(boxes)
 
 
 def _note_whole(adapter: object) -> None:
@@ -277,7 +317,7 @@ def _writers(state: dict[str, torch.Tensor]) -> list[str]:
             plain.append(name)
     if plain and _world() > 1:
         holders: list[list[str] | None] = [None] * _world()
-        dist.all_gather_object(holders, plain)
+        dist.all_gather_object(holders, plain, group=_GROUP.get())
         first: dict[str, int] = {}
         for rank, names in enumerate(holders):
             for name in names or []:
@@ -289,8 +329,14 @@ def _writers(state: dict[str, torch.Tensor]) -> list[str]:
 # ----------------------------------------------------------------------------- collectives
 
 
+_GROUP: ContextVar[dist.ProcessGroup | None] = ContextVar("hf_sharded_group", default=None)
+"""The process group of the collectives of the save in progress (None: the default group)."""
+
+
 def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(_GROUP.get())
 
 
 def _rank() -> int:
@@ -299,7 +345,7 @@ def _rank() -> int:
 
 def _barrier() -> None:
     if _world() > 1:
-        dist.barrier()
+        dist.barrier(group=_GROUP.get())
 
 
 def _everyone(local: list[str]) -> list[str]:
@@ -307,7 +353,7 @@ def _everyone(local: list[str]) -> list[str]:
     if _world() == 1:
         return local
     parts: list[list[str] | None] = [None] * _world()
-    dist.all_gather_object(parts, local)
+    dist.all_gather_object(parts, local, group=_GROUP.get())
     merged: list[str] = []
     for part in parts:
         merged += [item for item in part or [] if item not in merged]
@@ -318,5 +364,5 @@ def _everyone_dicts(local: dict) -> list[dict]:
     if _world() == 1:
         return [local]
     parts: list[dict | None] = [None] * _world()
-    dist.all_gather_object(parts, local)
+    dist.all_gather_object(parts, local, group=_GROUP.get())
     return [part or {} for part in parts]

@@ -160,12 +160,7 @@ def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = ""
     """Make a fully written `tmp` folder the checkpoint `final` (call on one process only): the
     marker records `record` and the size and checksum of every file. On an object store `tmp`
     is `final`, and writing the marker (last) is the commit."""
-    files = collect_checksums(tmp)
-    if config_toml:
-        write_synced(tmp / CONFIG_FILE, config_toml)
-        files[CONFIG_FILE] = file_entry(tmp / CONFIG_FILE)
-    marker = {**record, "files": files, "committed_at": time.time()}
-    write_synced(tmp / COMMIT_FILE, _marker_text(marker))
+    mark(tmp, record, config_toml)
     if isinstance(tmp, RemotePath):
         return
     _sync_dir(tmp)
@@ -177,6 +172,19 @@ def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = ""
     else:
         os.rename(tmp, final)
     _sync_dir(final.parent)
+
+
+def mark(path: Path, record: dict[str, Any], config_toml: str = "") -> None:
+    """Write the commit marker of a fully written DCP folder in place (no rename): `record`
+    and the size and checksum of every file. `commit` does this before its rename; a DCP
+    folder inside another folder that is committed as a whole (a Hugging Face snapshot's
+    `titan_state/`) is marked with this alone."""
+    files = collect_checksums(path)
+    if config_toml:
+        write_synced(path / CONFIG_FILE, config_toml)
+        files[CONFIG_FILE] = file_entry(path / CONFIG_FILE)
+    marker = {**record, "files": files, "committed_at": time.time()}
+    write_synced(path / COMMIT_FILE, _marker_text(marker))
 
 
 def _marker_text(marker: dict[str, Any]) -> str:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import errno
 import tempfile
 import time
-from collections.abc import Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from titan_ckpt import layout
+from titan_ckpt import hf_snapshots, layout
 from titan_ckpt.config import Checkpoint
 from titan_ckpt.dcp_io import (
     SafeLoadPlanner,
@@ -45,7 +45,12 @@ from titan_ckpt.errors import (
     state_mismatch,
 )
 from titan_ckpt.hf import DTYPES, export_hf
-from titan_ckpt.hf_sharded import load_hf_weights, save_hf_weights
+from titan_ckpt.hf_sharded import (
+    StagedWeights,
+    load_hf_weights,
+    save_hf_weights,
+    stage_hf_weights,
+)
 from titan_ckpt.integrity import checksumming_writer, nonfinite_entries
 from titan_ckpt.preflight import size_text
 from titan_ckpt.safe_read import safe_reader
@@ -54,7 +59,7 @@ from titan_ckpt.states import BlobState, ModelState, OptimizerState, RNGState, T
 from titan_ckpt.storage import RemotePath, as_path, check_remote_writable, is_url
 from titan_core.distributed import any_rank
 from titan_core.log import get_logger
-from titan_core.protocols import GLOBAL_STATE, HFAdapter
+from titan_core.protocols import GLOBAL_STATE, HFAdapter, is_sliced_hf_adapter
 from titan_core.run_folder import FolderLock, RunFolderError, check_writable
 
 log = get_logger("ckpt")
@@ -69,6 +74,15 @@ class _Pending:
     record: dict[str, Any]
     upload: Future
     staging: Future | None
+
+
+@dataclass
+class _HFPending:
+    """A Hugging Face snapshot being written in the background."""
+
+    step: int
+    tmp: Path
+    done: Future
 
 
 class CheckpointManager:
@@ -87,6 +101,11 @@ class CheckpointManager:
     once that `folder` is writable and claims it for this run (`titan_core.FolderLock`); a
     second run on the same folder is refused until `close()`. `folder` may be a URL: it is
     write-tested with a small object, and not locked (object stores have no locks).
+
+    With `[checkpoint] hf_interval`, Hugging Face snapshots are written into `<folder>/hf`
+    (see hf_snapshots.py); `hf_extra_files(folder)` is called on rank 0 with each snapshot's
+    local folder to add files the manager cannot make itself (the trainer writes its
+    tokenizer's files there: titan-ckpt knows no tokenizers).
     """
 
     def __init__(
@@ -99,6 +118,7 @@ class CheckpointManager:
         dp_rank: int = 0,
         dp_world_size: int = 1,
         hf_adapter: HFAdapter | None = None,
+        hf_extra_files: Callable[[Path], Any] | None = None,
     ):
         problems = config.validate()
         if problems:
@@ -108,6 +128,12 @@ class CheckpointManager:
         self.config_toml = config_toml
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.hf_adapter = hf_adapter
+        self.hf_extra_files = hf_extra_files
+        if config.hf_interval > 0 and hf_adapter is None:
+            raise ValueError(
+                "[checkpoint] hf_interval needs the model's HF adapter; this model has none\n"
+                "set hf_interval = 0"
+            )
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
         self.world_size = dist.get_world_size() if self._dist else 1
@@ -125,6 +151,13 @@ class CheckpointManager:
             self._claim_folder()
         if config.async_mode != "disabled":
             self._setup_async(states.get("optimizer"))
+        self._hf_pending: _HFPending | None = None
+        self._hf_threads: ThreadPoolExecutor | None = None
+        self._hf_pg = None
+        if config.hf_interval > 0 and config.async_mode != "disabled" and self.world_size > 1:
+            # Snapshots written in the background run their collectives beside the training's
+            # and the async DCP save's: a group of their own.
+            self._hf_pg = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ set-up
     def _wrap(self, states: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,7 +256,10 @@ class CheckpointManager:
         its commit happens on a later call. A state holding NaN or inf is never saved: that
         raises CheckpointSaveError and the previous checkpoint stays the newest."""
         self._poll_pending()
+        snapshot = not force and self.hf_snapshot_due(step, last_step)
         if not (force or self.is_due(step, last_step)):
+            if snapshot:
+                self.save_hf_snapshot(step)
             return
         self.wait()
         seed = self.config.create_seed_checkpoint
@@ -255,17 +291,21 @@ class CheckpointManager:
         try:
             if use_async:
                 self._pending = self._start_async(step, tmp, record, to_save)
-                log.info(
-                    "checkpoint step %d: staged in %.2fs, writing in the background",
-                    step,
-                    time.perf_counter() - start,
-                )
-                return
-            dcp.save(to_save, storage_writer=checksumming_writer(tmp), no_dist=not self._dist)
-            if final and self.config.last_save_in_hf:
-                self._export_hf(to_save, tmp / "hf")
+            else:
+                dcp.save(to_save, storage_writer=checksumming_writer(tmp), no_dist=not self._dist)
+                if final and self.config.last_save_in_hf:
+                    self._export_hf(to_save, tmp / "hf")
         except BaseException as e:
             self._fail(e, step, tmp)
+        if use_async:
+            log.info(
+                "checkpoint step %d: staged in %.2fs, writing in the background",
+                step,
+                time.perf_counter() - start,
+            )
+            if snapshot:  # outside the save's error handling: its own failure is its own
+                self.save_hf_snapshot(step)
+            return
         self._commit(step, tmp, record)
         self._barrier()
         log.info(
@@ -275,6 +315,157 @@ class CheckpointManager:
             time.perf_counter() - start,
             " (forced: a full, resumable save)" if force else "",
         )
+        if snapshot:
+            self.save_hf_snapshot(step)
+
+    # ------------------------------------------------------------------ Hugging Face snapshots
+    def hf_snapshot_due(self, step: int, last_step: bool = False) -> bool:
+        """Whether `step` gets a Hugging Face snapshot (every `hf_interval` steps and at the
+        last step, when `hf_interval` is on)."""
+        every = self.config.hf_interval
+        if every <= 0 or self.config.create_seed_checkpoint:
+            return False
+        return last_step or (step > 0 and step % every == 0)
+
+    def save_hf_snapshot(self, step: int) -> Path:
+        """Write the Hugging Face snapshot of `step` into `<folder>/hf/step-<N>` (see
+        hf_snapshots.py) and return that folder. Every rank writes its own shards of the
+        weights (`export_dtype`); rank 0 adds config.json and `hf_extra_files` (the tokenizer);
+        with `hf_save_optimizer` every state but the model goes into its `titan_state/`, a
+        DCP checkpoint.
+
+        With an async `async_mode` (and a local folder, and an adapter that converts box by
+        box) the weights are written in the background: this returns once each rank has
+        copied its own shards to CPU memory (as DCP's async staging copies them), and a
+        thread writes the files over a gloo group of its own and commits the snapshot; the
+        next snapshot, and `close()`, wait for it first. `titan_state/` is written before
+        that, synchronously (a DCP save), and so is the whole snapshot otherwise."""
+        self.wait_hf_snapshot()
+        start = time.perf_counter()
+        final = hf_snapshots.snapshot_dir(self.folder, step)
+        tmp = hf_snapshots.tmp_dir(self.folder, step)
+        state_dir = tmp / hf_snapshots.TITAN_STATE
+        if self.rank == 0:
+            hf_snapshots.discard(tmp)  # remains of a crashed attempt at this step
+            tmp.mkdir(parents=True)
+            if self.config.hf_save_optimizer:
+                state_dir.mkdir()
+        self._barrier()
+        record = {"step": step, "dtype": self.config.export_dtype, "titan_state": False}
+        try:
+            if self.config.hf_save_optimizer:
+                self._save_titan_state(step, state_dir)
+                record["titan_state"] = True
+            if self._hf_in_background(tmp):
+                staged = stage_hf_weights(self._model_parts)
+                self._hf_pending = _HFPending(
+                    step,
+                    tmp,
+                    self._hf_executor().submit(
+                        self._write_snapshot, step, staged, tmp, final, record, start
+                    ),
+                )
+                log.info(
+                    "Hugging Face snapshot step %d: staged in %.2fs, writing in the background",
+                    step,
+                    time.perf_counter() - start,
+                )
+                return final
+            self._write_snapshot(step, self._model_parts, tmp, final, record, start)
+        except BaseException as e:  # raised on every rank: the writes' collectives share it
+            self._snapshot_failed(e, step, tmp)
+        return final
+
+    def _hf_in_background(self, tmp: Path) -> bool:
+        return (
+            self.config.async_mode != "disabled"
+            and not isinstance(tmp, RemotePath)
+            and is_sliced_hf_adapter(self.hf_adapter)
+        )
+
+    def _hf_executor(self) -> ThreadPoolExecutor:
+        if self._hf_threads is None:
+            self._hf_threads = ThreadPoolExecutor(1, thread_name_prefix="titan-hf-snapshot")
+        return self._hf_threads
+
+    def _save_titan_state(self, step: int, state_dir: Path) -> None:
+        to_save = {name: s for name, s in self.states.items() if name != "model"}
+        to_save["config"] = BlobState(TextState(self.config_toml), "toml")
+        self._refuse_nonfinite(step, model_only=False)
+        dcp.save(to_save, storage_writer=checksumming_writer(state_dir), no_dist=not self._dist)
+        if self.rank == 0:
+            layout.mark(
+                state_dir,
+                {
+                    "step": step,
+                    "states": sorted(to_save),
+                    "model_only": False,
+                    "world_size": self.world_size,
+                    "dp_world_size": self.dp_world_size,
+                    "finite": True,
+                },
+            )
+
+    def _write_snapshot(
+        self, step: int, weights: Any, tmp: Path, final: Path, record: dict, start: float
+    ) -> None:
+        """The weights (from the model, or from the copies `stage_hf_weights` made, in the
+        background thread over `_hf_pg`), the extra files, the commit and the pruning."""
+        background = isinstance(weights, StagedWeights)
+        if background:
+            save_hf_weights(
+                weights, self.hf_adapter, tmp, dtype=self.config.export_dtype, group=self._hf_pg
+            )
+        else:
+            self._export_hf({}, tmp)
+        # Every rank's files are complete (the write's last step is a collective).
+        if self.rank == 0:
+            if self.hf_extra_files is not None:
+                self._extra_files(tmp)
+            hf_snapshots.commit(tmp, final, record)
+            keep = self.config.hf_keep_latest_k
+            for path in hf_snapshots.prune(self.folder, keep, newest=step):
+                log.info("removed old Hugging Face snapshot %s (hf_keep_latest_k = %d)", path, keep)
+        if self._dist and self.world_size > 1:
+            dist.barrier(group=self._hf_pg if background else None)
+        log.info(
+            "Hugging Face snapshot step %d written to %s in %.2fs%s",
+            step,
+            final,
+            time.perf_counter() - start,
+            " (with the training state)" if record["titan_state"] else "",
+        )
+
+    def wait_hf_snapshot(self) -> None:
+        """Finish a Hugging Face snapshot written in the background (it commits itself)."""
+        pending, self._hf_pending = self._hf_pending, None
+        if pending is None:
+            return
+        try:
+            pending.done.result()
+        except BaseException as e:
+            self._snapshot_failed(e, pending.step, pending.tmp)
+
+    def _snapshot_failed(self, error: BaseException, step: int, tmp: Path) -> None:
+        if self.rank == 0:
+            hf_snapshots.discard(tmp)
+        if isinstance(error, KeyboardInterrupt):
+            raise error
+        raise CheckpointSaveError(
+            f"Hugging Face snapshot at step {step} failed: {first_line(error)}; the previous"
+            f" snapshots in {hf_snapshots.snapshots_dir(self.folder)} are untouched\n"
+            "fix the cause, or set [checkpoint] hf_interval = 0 to train without snapshots"
+        ) from error
+
+    def _extra_files(self, out: Path) -> None:
+        """`hf_extra_files` into the snapshot: directly into a local folder, through a local
+        temporary folder onto an object store."""
+        if not isinstance(out, RemotePath):
+            self.hf_extra_files(out)
+            return
+        with tempfile.TemporaryDirectory(prefix="titan-hf-extra-") as local:
+            self.hf_extra_files(Path(local))
+            out.fs.put(local + "/", out.path, recursive=True)
 
     def _refuse_nonfinite(self, step: int, model_only: bool) -> None:
         # The live model and optimizer, not the export-dtype copy a model-only save writes.
@@ -662,7 +853,9 @@ class CheckpointManager:
             # Every rank reads the parts of the files its own shards need.
             load_hf_weights(self._model_parts, self.hf_adapter, path, progress=self.rank == 0)
             log.info("initialised the model from Hugging Face weights in %s", path)
-            return 0
+            if cfg.initial_load_model_only:
+                return 0
+            return self._load_titan_state(path)
         if not layout.is_complete(path):
             raise CheckpointNotFoundError(
                 f"[checkpoint] initial_load_path = {str(path)!r} is not a complete checkpoint"
@@ -694,14 +887,54 @@ class CheckpointManager:
         log.info("initialised from %s (%s)", path, ", ".join(sorted(request)))
         return 0
 
+    def _load_titan_state(self, snapshot: Path) -> int:
+        """Everything but the weights from a Hugging Face snapshot's `titan_state/` (saved with
+        `hf_save_optimizer`); returns its step."""
+        path = snapshot / hf_snapshots.TITAN_STATE
+        where = f"[checkpoint] initial_load_path = {str(snapshot)!r}"
+        if not layout.is_complete(path):
+            raise CheckpointNotFoundError(
+                f"{where} with initial_load_model_only = false needs the training state beside"
+                f" the weights ({hf_snapshots.TITAN_STATE}/, saved with [checkpoint]"
+                " hf_save_optimizer = true), and this folder has none\nset"
+                " initial_load_model_only = true to start from the weights alone"
+            )
+        problem = self._problems(path)
+        if problem is not None:
+            raise CheckpointLoadError(f"{where} is not usable: {problem}")
+        record = layout.read_commit(path)
+        request, skipped = self._request(checkpoint_keys(path), record)
+        request.pop("model", None)
+        try:
+            self._read(request, path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported with the path
+            reason = state_mismatch(e) or corrupt_data(e) or failure_reason(e) or first_line(e)
+            raise CheckpointLoadError(f"{where} is not usable: {reason}") from e
+        bad = self._loaded_nonfinite(request)
+        if bad:
+            raise CheckpointLoadError(f"{where} holds NaN or inf in {', '.join(bad[:5])}")
+        note = f"; not restored: {', '.join(skipped)}" if skipped else ""
+        log.info(
+            "resumed from the Hugging Face snapshot %s (step %d: weights, %s)%s",
+            snapshot,
+            record["step"],
+            ", ".join(sorted(request)),
+            note,
+        )
+        return int(record["step"])
+
     # ------------------------------------------------------------------ end
     def close(self) -> None:
         """Finish and commit an in-flight save, release the stager and hooks, and let go of
         the folder."""
         try:
+            self.wait_hf_snapshot()
             self.wait()
             self._barrier()
         finally:
+            if self._hf_threads is not None:
+                self._hf_threads.shutdown()
+                self._hf_threads = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None

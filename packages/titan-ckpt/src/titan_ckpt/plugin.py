@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from titan_ckpt.config import Checkpoint
@@ -44,13 +45,15 @@ def _build_checkpointer(
     config_toml: str = "",
     dp_rank: int | None = None,
     hf_adapter: HFAdapter | None = None,
+    hf_extra_files: Callable[[Path], Any] | None = None,
     **_ignored: Any,
 ) -> Checkpointer:
     """A `CheckpointManager` writing to `<dump_folder>/<config.folder>` (or to `config.folder`
     when it is absolute or a URL such as `s3://bucket/run`).
 
     `dims` (a titan_core ParallelDims with its mesh built) gives the data-parallel rank and size
-    that key the data loader's state; `dp_rank` overrides the rank. Unknown keyword arguments are
+    that key the data loader's state; `dp_rank` overrides the rank. `hf_extra_files(folder)`
+    adds files to each Hugging Face snapshot (`hf_interval`; the trainer's tokenizer files). Unknown keyword arguments are
     accepted and ignored so that a newer trainer can pass more than this version knows about.
     """
     dp_world = dims.dp_degree if dims is not None else 1
@@ -65,6 +68,7 @@ def _build_checkpointer(
         dp_rank=dp_rank,
         dp_world_size=dp_world,
         hf_adapter=hf_adapter,
+        hf_extra_files=hf_extra_files,
     )
 
 
