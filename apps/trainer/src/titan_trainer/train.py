@@ -74,7 +74,7 @@ from titan_trainer.shipped import find_config_file
 from titan_trainer.step import train_step
 from titan_trainer.stopping import StopAgreement, StopRequest, close_run
 from titan_trainer.validate import Validator
-from titan_trainer.window import MetricWindow, evaluate, log_window, open_window, validate
+from titan_trainer.window import MetricWindow, evaluate_if_due, log_window, open_window
 
 log = get_logger("train")
 
@@ -325,10 +325,7 @@ def run_steps(run: Run) -> TrainResult:
                     or last
                 ):
                     log_window(run, window, guard)
-                if validator is not None and (validator.due(state.step) or last):
-                    validate(run, window, validator)
-                if evaluator is not None and evaluator.due(state.step, last):
-                    evaluate(run, window, evaluator)
+                evaluate_if_due(run, window, validator, evaluator, last=last)
                 if profile_step is not None:
                     profile_step()
                 if stopping:

@@ -121,6 +121,22 @@ def validate(run: Run, window: MetricWindow, validator: Validator) -> None:
     window.timer.reset()  # validation time is not training throughput
 
 
+def evaluate_if_due(
+    run: Run,
+    window: MetricWindow,
+    validator: Validator | None,
+    evaluator: TaskEvaluator | None,
+    *,
+    last: bool,
+) -> None:
+    """The validation loss and the downstream tasks, each when due (both after the last step)."""
+    step = run.state.step
+    if validator is not None and (validator.due(step) or last):
+        validate(run, window, validator)
+    if evaluator is not None and evaluator.due(step, last):
+        evaluate(run, window, evaluator)
+
+
 def evaluate(run: Run, window: MetricWindow, evaluator: TaskEvaluator) -> None:
     results = evaluator.run(run.model.runtime, run.model.parts)
     report(results, run.state.step, window.metrics, run.dump, run.info.rank, run.state.run_id)
