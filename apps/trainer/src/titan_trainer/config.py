@@ -398,8 +398,8 @@ class Eval:
     """Score only the first this many items of each task; -1 scores them all."""
     local_batch_size: int = 8
     """Requests (a context and one continuation) per forward on each data-parallel rank; each is
-    padded to the longest of its forward (to training.seq_len under pipeline parallel or
-    compile, whose shapes are fixed)."""
+    padded to the longest of its forward (to training.seq_len under pipeline or context
+    parallel, or compile, whose shapes are fixed)."""
     add_bos: bool = True
     """Encode each text with BOS first where the tokenizer starts documents with one (as training
     did, and as lm-eval's hf model does by default); false encodes without (lm-eval's

@@ -4,7 +4,7 @@ already has (FSDP, TP, PP, CP, EP; no second copy of the model).
 
 Each task's requests (a context and one continuation) are sorted longest first and cut into
 forwards of `[eval] local_batch_size` rows, each row one request padded to the longest of its
-forward (to `training.seq_len` under pipeline parallel or compile, whose shapes are fixed); the
+forward (to `training.seq_len` under pipeline or context parallel, or compile, whose shapes are fixed); the
 forwards are dealt round the data-parallel ranks, and every rank runs as many (a rank short of
 one runs a row of padding). A request's log-likelihood is minus its row's summed loss over the
 continuation's tokens, taken with the training loss itself; the scores follow from those as

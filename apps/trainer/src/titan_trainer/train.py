@@ -399,7 +399,7 @@ def build_evaluator(run: Run) -> TaskEvaluator:
         tasks,
         pad_id=tokenizer.pad_id,
         seq_len=config.training.seq_len,
-        fixed_shape=dims.pp_enabled or config.compile.enable,
+        fixed_shape=dims.pp_enabled or dims.cp_enabled or config.compile.enable,
         pp_rows=config.training.local_batch_size if dims.pp_enabled else 0,
         dp_rank=dp_rank,
         dp_world=dp_world,
