@@ -23,13 +23,12 @@ object, written last) commits it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from titan_ckpt import layout
 from titan_ckpt.integrity import write_synced
 from titan_ckpt.storage import RemotePath, as_path
 
@@ -93,28 +92,12 @@ def commit(tmp: Path, final: Path, record: dict[str, Any]) -> None:
     write_synced(tmp / MARKER, json.dumps(marker, indent=1) + "\n")
     if isinstance(tmp, RemotePath):
         return
-    if final.exists():  # the same step again (a rerun of a finished run): swap it out
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    layout.rename_into_place(tmp, final)
 
 
 def discard(path: str | Path) -> None:
     """Delete a snapshot or an unfinished one (its marker first on an object store)."""
-    path = as_path(path)
-    if isinstance(path, RemotePath):
-        (path / MARKER).unlink(missing_ok=True)
-        path.rmtree()
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+    layout.discard(path, marker=MARKER)
 
 
 def prune(folder: str | Path, keep: int, newest: int) -> list[Path]:

@@ -52,11 +52,12 @@ def tmp_dir(folder: str | Path, step: int) -> Path:
     return folder / f"step-{step}.tmp"
 
 
-def discard(path: str | Path) -> None:
-    """Delete a checkpoint folder or a save's remains (marker first on an object store)."""
+def discard(path: str | Path, marker: str = COMMIT_FILE) -> None:
+    """Delete a checkpoint folder or a save's remains (its `marker` first on an object store,
+    so that nothing half-deleted still looks complete)."""
     path = as_path(path)
     if isinstance(path, RemotePath):
-        (path / COMMIT_FILE).unlink(missing_ok=True)
+        (path / marker).unlink(missing_ok=True)
         path.rmtree()
     else:
         shutil.rmtree(path, ignore_errors=True)
@@ -164,7 +165,14 @@ def commit(tmp: Path, final: Path, record: dict[str, Any], config_toml: str = ""
     if isinstance(tmp, RemotePath):
         return
     _sync_dir(tmp)
-    if final.exists():  # saving a step again (e.g. a seed checkpoint re-created): swap it out
+    rename_into_place(tmp, final)
+
+
+def rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename the finished folder `tmp` to `final` (local disk), swapping out a `final` already
+    there (the same step saved again: a seed checkpoint re-created, a finished run rerun), and
+    make the rename durable."""
+    if final.exists():
         old = final.with_name(f"{final.name}.old-{os.getpid()}")
         os.rename(final, old)
         os.rename(tmp, final)
