@@ -389,7 +389,7 @@ class Eval:
     tasks: list[str] = field(default_factory=list)
     """Downstream tasks to score during training: paths of task specs (.toml beside a .jsonl or
     .parquet file of items; multiple choice, last word, perplexity), scored as
-    lm-evaluation-harness scores them. Empty: no evaluation. See docs/eval.md."""
+    lm-evaluation-harness scores them. Empty: no evaluation. See apps/trainer/docs/eval.md."""
     freq: int = 1000
     """Evaluate every this many steps."""
     at_end: bool = True
