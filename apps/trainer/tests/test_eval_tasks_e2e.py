@@ -311,3 +311,32 @@ def test_the_same_weights_score_alike_on_each_layout(trained, tmp_path, layout):
             )
             if "acc" in a:
                 assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]), (name, a, b)
+
+
+@pytest.mark.slow
+def test_a_moe_model_scores_alike_under_expert_parallel(tmp_path):
+    """Qwen3 MoE's debug model as initialised (the same weights on every layout: Titan's
+    initialisation is a function of the seed and each parameter's name), one step at lr 1e-30,
+    scored under FSDP 2 and under EP 2 (experts split over the two ranks, all-to-all
+    dispatch). Both take the same batches: the router's load-balancing bias moves with the
+    step's expert loads whatever the lr, so a run on other batches (one process's) routes
+    differently after its step."""
+    moe = str(DEBUG_TOML.parent / "qwen3_moe_debug.toml")
+
+    def args(folder: Path) -> list[str]:
+        base = train_args(folder, 16)
+        base[base.index(str(DEBUG_TOML))] = moe
+        return [*base, "--training.steps", "1", "--optimizer.lr", "1e-30"]
+
+    fsdp = start_cli(args(tmp_path / "fsdp"), nproc=2)
+    ep = start_cli([*args(tmp_path / "ep"), "--parallelism.expert_parallel_degree", "2"], nproc=2)
+    for run in (fsdp, ep):
+        result = run.result(900)
+        assert result.returncode == 0, result.stderr[-4000:]
+    ours, reference = read_samples(tmp_path / "ep", 1), read_samples(tmp_path / "fsdp", 1)
+    for name in NAMES:
+        for a, b in zip(ours[name], reference[name]):
+            x, y = a["loglik"], b["loglik"]
+            x, y = (x, y) if isinstance(x, list) else ([x], [y])
+            scale = max(1, abs(y[0]) / 100)
+            assert max(abs(p - q) for p, q in zip(x, y)) <= LOGLIK_TOL * scale, (name, a, b)
