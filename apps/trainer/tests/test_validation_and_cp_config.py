@@ -3,6 +3,8 @@ buffers; everything that needs no process group."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -100,6 +102,13 @@ def test_validation_under_a_v_schedule_is_refused_before_start_up():
     interleaved = [*base, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
     found, _, _ = preflight_problems(load_config(JobConfig, interleaved), 2, dry_run=True)
     assert not [p for p in found if "forward-only" in p], found
+    # [eval] scores through the same forward-only schedule: refused alike.
+    task = str(Path(__file__).resolve().parents[1] / "tasks" / "pydocs_piqa.toml")
+    scored = [*base[2:], "--eval.tasks", task, "--parallelism.pipeline_parallel_schedule"]
+    found, _, _ = preflight_problems(
+        load_config(JobConfig, [*scored, "ZBVZeroBubble"]), 2, dry_run=True
+    )
+    assert any(p.startswith("[eval] tasks: a forward-only pass") for p in found), found
 
 
 class _Positional(nn.Module):

@@ -121,9 +121,12 @@ def _pipeline_problems(config: JobConfig, layout: Layout, notes: list[str]) -> l
         )
     except ConfigError as e:
         return e.problems
+    problems = []
     if config.validation.enable and plan.eval_problem is not None:
-        return [f"[validation] enable = true: {plan.eval_problem}"]
-    return []
+        problems.append(f"[validation] enable = true: {plan.eval_problem}")
+    if config.eval.tasks and plan.eval_problem is not None:  # the same forward-only schedule
+        problems.append(f"[eval] tasks: {plan.eval_problem}")
+    return problems
 
 
 def _param_group_problems(config: JobConfig, layout: Layout) -> list[str]:
