@@ -1,5 +1,5 @@
 """The `titan-data` command: `titan-data tokenize` writes a source's token ids into shards once,
-so that training reads them at memory speed; `titan-data info` describes such a folder;
+so that training reads them at memory speed; `titan-data info` describes such a folder.
 `titan-data task-file` writes a split of a dataset already on this machine (the Hugging Face
 cache, or a local folder or file) as an evaluation task's item file."""
 
