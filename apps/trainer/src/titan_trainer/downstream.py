@@ -22,7 +22,6 @@ import torch
 
 from titan_core import ConfigError, get_logger
 from titan_data.eval_tasks import (
-    METRICS,
     Task,
     TaskError,
     build_task,
@@ -201,4 +200,4 @@ def report(
                     f.writelines(json.dumps(row) + "\n" for row in r.samples)
 
 
-__all__ = ["METRICS", "RESULTS_FILE", "TaskEvaluator", "TaskResult", "load_tasks", "report"]
+__all__ = ["RESULTS_FILE", "TaskEvaluator", "TaskResult", "load_tasks", "report"]
