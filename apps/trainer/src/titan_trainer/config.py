@@ -449,6 +449,13 @@ class DryRun:
     """Simulate every pipeline rank instead of the first and the last."""
     suggest: bool = True
     """When the job does not fit, simulate the cheapest changes that would make it fit."""
+    system: str = "auto"
+    """The system the predicted step time is priced on: a shipped one (h100_sxm,
+    h100_torchtitan, h200, a100_sxm), a path to a TOML file describing yours, cpu (this
+    machine, measured), or auto (the shipped system of `device`; none: no step time)."""
+    search: bool = False
+    """Rank the layouts that fit this world size by predicted tokens/s: degrees, pipeline
+    schedule and microbatches, activation checkpointing, Float8; each one simulated."""
 
     def validate(self) -> list[str]:
         problems = []

@@ -21,6 +21,7 @@ from titan_trainer.dry_run.simulate import (
     rank_roles,
     simulate,
 )
+from titan_trainer.dry_run.step_report import predict_job, step_time_block, system_for
 from titan_trainer.dry_run.suggest import suggest_changes
 from titan_trainer.dry_run.text import gib_text
 from titan_trainer.layout import layout_text
@@ -118,6 +119,9 @@ def dry_run(config: JobConfig, out=print) -> int:
         expected.update(role.checkpoint_shapes)
     problems += checked.here + loadable_problems(config, expected, notes)
     out(_table(sim))
+    block = predicted_step_block(config, sim, cp_style)
+    if block:
+        out(block)
     headroom = config.dry_run.headroom_gib
     ok = fits(sim, capacity, headroom)
     out(_verdict(sim, capacity, headroom, ok, problems))
@@ -133,6 +137,21 @@ def dry_run(config: JobConfig, out=print) -> int:
             suggest_changes(config, sim, capacity, headroom, out)
         return EXIT_DOES_NOT_FIT
     return EXIT_FITS
+
+
+def predicted_step_block(config: JobConfig, sim: Simulation, cp_style: str | None) -> str | None:
+    """The step-time block, or a note saying why there is none."""
+    try:
+        system = system_for(config)
+    except ConfigError as e:
+        return f"note: no predicted step time: {first_line(e.render())}"
+    if system is None:
+        return (
+            f"note: no predicted step time: no shipped system describes {config.dry_run.device}"
+            "; set [dry_run] system to a TOML file describing it (docs/step_time.md)"
+        )
+    job = predict_job(sim, system, cp_style)
+    return None if job is None else step_time_block(job)
 
 
 def _verdict(

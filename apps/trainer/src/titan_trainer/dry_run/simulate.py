@@ -50,6 +50,7 @@ from titan_parallel.memory_estimate import (
 )
 from titan_trainer.batch import BatchShape
 from titan_trainer.config import JobConfig
+from titan_trainer.dry_run.step_trace import StepTrace, StepWork, group_labels
 from titan_trainer.layout import Layout
 from titan_trainer.loss import cross_entropy_loss
 from titan_trainer.model import build_converters, build_meta_model, build_model
@@ -73,6 +74,12 @@ class RoleResult:
     rss_peak: int | None = None
     """Measured runs only: the peak by the operating system's count: what persisted before the
     step plus how far the process's resident set rose during it."""
+    trace: StepWork | None = None
+    """The step's work, op by op summed (what `titan_trainer.dry_run.step_time` prices)."""
+    flops_per_token: float = 0.0
+    """The model's training FLOPs per token by its own count (MFU's numerator)."""
+    stages_on_rank: int = 1
+    """Pipeline stages this rank holds."""
 
     @property
     def peak(self) -> int:
@@ -316,7 +323,8 @@ def measure_rank(
         )
         _create_optimizer_state(parts, optimizer)
         phase("weights initialised, optimizer state made")
-        step = _step_fn(config, runtime, parts, optimizer, vocab_size)
+        tracer = StepTrace(group_labels(dims)) if fake else None
+        step = _step_fn(config, runtime, parts, optimizer, vocab_size, tracer)
         if real_compile:
             step()  # compiles: the compiler's own memory is not the step's
         rss = None if fake else _RSSGrowth()
@@ -334,6 +342,9 @@ def measure_rank(
         shapes,
         offloaded,
         None if rss is None else resident + rss.growth,
+        None if tracer is None else tracer.work(),
+        runtime.flops_per_token,
+        len(parts),
     )
 
 
@@ -393,7 +404,9 @@ def _create_optimizer_state(parts, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> Callable[[], None]:
+def _step_fn(
+    config, runtime: ParallelRuntime, parts, optimizer, vocab_size, tracer: StepTrace | None = None
+) -> Callable[[], None]:
     t = config.training
     accum = BatchShape.of(t, runtime.dims.dp_degree).accumulation
     # Gradients are allocated by the first microbatch and kept: the second one shows the
@@ -401,13 +414,17 @@ def _step_fn(config, runtime: ParallelRuntime, parts, optimizer, vocab_size) -> 
     microbatches = min(accum, 2)
     inputs = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
     labels = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len))
+    trace = tracer.phase if tracer is not None else lambda *_, **__: contextlib.nullcontext()
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         for _ in range(microbatches):
-            runtime.forward_backward(parts, inputs, labels, scale=1.0 / accum)
-        runtime.clip_grad_norm(parts, t.max_norm)
-        optimizer.step()
+            # The last microbatch's work stands for each of the step's `accum`.
+            with trace("microbatch", repeat=accum):
+                runtime.forward_backward(parts, inputs, labels, scale=1.0 / accum)
+        with trace("optimizer", repeat=1):
+            runtime.clip_grad_norm(parts, t.max_norm)
+            optimizer.step()
 
     return step
 

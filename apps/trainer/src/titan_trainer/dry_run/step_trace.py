@@ -1,0 +1,321 @@
+"""What one simulated training step does, counted op by op: the work the step-time model
+(`titan_trainer.dry_run.step_time`) prices.
+
+`StepTrace` is a dispatch mode run around the dry run's simulated step (fake tensors, a fake
+process group of the job's real size). Each operator lands in one kind:
+
+- `matmul`: matrix products, FLOPs by torch's own counter (`torch.utils.flop_counter`);
+- `attention`: fused attention kernels, FLOPs by the same counter, halved where the kernel is
+  causal (it skips the masked half);
+- `memory`: every other operator that computes, priced by the bytes it reads and writes;
+- a collective of one parallelism (`fsdp`, `tp`, `cp`, `ep`, `pp`, `dp`): bytes and ranks.
+
+Operators on DTensors (tensor parallel's sharded parameters) are seen at their global shape;
+their cost is divided by the ranks that share the work (the mesh dimensions the output is
+sharded or partial over). Views, metadata and allocation operators cost nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+# Operators that move no data: views, metadata, allocation of uninitialised memory.
+_FREE = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "expand",
+    "t",
+    "transpose",
+    "permute",
+    "as_strided",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "split_with_sizes",
+    "chunk",
+    "unbind",
+    "alias",
+    "detach",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "_to_copy_meta",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "set_",
+    "resize_",
+    "record_stream",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "size",
+    "stride",
+}
+_FREE_NAMESPACES = {"prim", "profiler", "c10d_functional_autograd"}
+_ATTENTION = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention",
+    "_efficient_attention",
+    "flex_attention",
+)
+_COLLECTIVE_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
+
+
+@dataclass
+class Collective:
+    """Collectives of one kind on one group, summed over the step."""
+
+    kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, send_recv, broadcast
+    group: str  # the parallelism whose ranks it spans: fsdp, tp, cp, ep, pp, dp, ...
+    ranks: int
+    calls: int = 0
+    bytes: int = 0
+    """The full tensor each call moves: all-gather's output, reduce-scatter's input,
+    all-reduce's tensor, all-to-all's input, a send's tensor."""
+
+
+@dataclass
+class StepWork:
+    """One rank's simulated step, summed by kind."""
+
+    matmul_flops: float = 0.0
+    attention_flops: float = 0.0
+    """Causal kernels' FLOPs halved (their work); `attention_flops_full` counts them whole."""
+    attention_flops_full: float = 0.0
+    memory_bytes: float = 0.0
+    compute_ops: int = 0
+    """Operators that launch a kernel (every priced op but collectives)."""
+    collectives: list[Collective] = field(default_factory=list)
+    dtype: str = "fp32"
+    """The dtype most matmul FLOPs ran in (bf16, fp8, fp32)."""
+
+    @property
+    def flops(self) -> float:
+        """Model FLOPs as MFU counts them: every matmul and attention FLOP, causal or not."""
+        return self.matmul_flops + self.attention_flops_full
+
+    def add(self, other: StepWork, times: int = 1) -> None:
+        """Adds `times` x `other`'s work to this."""
+        for name in ("matmul_flops", "attention_flops", "attention_flops_full", "memory_bytes"):
+            setattr(self, name, getattr(self, name) + times * getattr(other, name))
+        self.compute_ops += times * other.compute_ops
+        mine = {(c.kind, c.group, c.ranks): c for c in self.collectives}
+        for c in other.collectives:
+            entry = mine.setdefault(
+                (c.kind, c.group, c.ranks), Collective(c.kind, c.group, c.ranks)
+            )
+            entry.calls += times * c.calls
+            entry.bytes += times * c.bytes
+        self.collectives = sorted(mine.values(), key=lambda c: (c.group, c.kind))
+
+
+_GROUP_NAMES = {
+    "dp_shard_cp": "fsdp",
+    "dp_shard": "fsdp",
+    "fsdp": "fsdp",
+    "dp_replicate": "dp",
+    "dp": "dp",
+    "ep_fsdp": "fsdp",
+    "ep_shard": "fsdp",
+    "tp": "tp",
+    "ep_tp": "ep",
+    "ep": "ep",
+    "cp": "cp",
+    "pp": "pp",
+}
+
+
+def group_labels(dims) -> dict[str, str]:
+    """The name of each process group of a built mesh -> the parallelism it serves."""
+    labels: dict[str, str] = {}
+    for role, label in _GROUP_NAMES.items():
+        try:
+            mesh = dims.mesh(role)
+        except (AttributeError, KeyError, RuntimeError, ValueError):
+            continue
+        if mesh is None or mesh.ndim != 1:
+            continue
+        labels.setdefault(mesh.get_group().group_name, label)
+    return labels
+
+
+class StepTrace(TorchDispatchMode):
+    """Counts the work of every operator run under it (see the module docstring), by phase:
+    `with trace.phase("microbatch", repeat=accum): ...` counts one microbatch that the step
+    repeats `accum` times (a later run of the same phase replaces an earlier one: the last,
+    steady-state microbatch stands for all)."""
+
+    def __init__(self, labels: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.labels = labels or {}
+        self.summary = StepWork()
+        self._collectives: dict[tuple[str, str, int], Collective] = {}
+        self._dtype_flops: dict[str, float] = defaultdict(float)
+        self._phases: dict[str, tuple[StepWork, int]] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, repeat: int = 1) -> Iterator[None]:
+        self.summary, self._collectives = StepWork(), {}
+        with self:
+            yield
+        self._phases[name] = (self._finish(), repeat)
+
+    def work(self) -> StepWork:
+        """The whole step: each phase's work times its repeats."""
+        total = StepWork()
+        for work, repeat in self._phases.values():
+            total.add(work, repeat)
+        if self._dtype_flops:
+            total.dtype = max(self._dtype_flops, key=self._dtype_flops.get)
+        return total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # A cost the counter cannot read is a cost left out, never a crashed dry run.
+        with contextlib.suppress(Exception):
+            self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func, args, kwargs, out) -> None:
+        namespace = func.namespace
+        name = func._overloadpacket.__name__
+        if namespace in _COLLECTIVE_NAMESPACES:
+            self._collective(name, args, kwargs, out)
+            return
+        if namespace in _FREE_NAMESPACES or name in _FREE:
+            return
+        split = _work_split(out)
+        s = self.summary
+        s.compute_ops += 1
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out) / split
+            if name.startswith(_ATTENTION):
+                s.attention_flops_full += flops
+                s.attention_flops += flops / 2 if _is_causal(func, args, kwargs) else flops
+            else:
+                s.matmul_flops += flops
+                self._dtype_flops[_dtype_key(args)] += flops
+            return
+        s.memory_bytes += (_bytes(args) + _bytes(kwargs) + _bytes(out)) / split
+
+    def _collective(self, name: str, args, kwargs, out) -> None:
+        kind = _collective_kind(name)
+        if kind is None:
+            return
+        group, ranks = self._group(args, kwargs)
+        if kind == "all_gather":
+            moved = _bytes(out) if not name.endswith("_") else _bytes(args[0])
+        else:
+            moved = _bytes(args[0]) if args else 0
+        key = (kind, group, ranks)
+        entry = self._collectives.setdefault(key, Collective(kind, group, ranks))
+        entry.calls += 1
+        entry.bytes += int(moved)
+
+    def _group(self, args, kwargs) -> tuple[str, int]:
+        for value in [*args, *kwargs.values()]:
+            pg = None
+            if isinstance(value, str) and value in self.labels:
+                return self.labels[value], _group_size(value)
+            if isinstance(value, str):
+                try:
+                    pg = dist.distributed_c10d._resolve_process_group(value)
+                except Exception:  # not a group's name
+                    continue
+            elif isinstance(value, torch.ScriptObject):
+                try:
+                    pg = dist.ProcessGroup.unbox(value)
+                except Exception:
+                    continue
+            if pg is not None:
+                return self.labels.get(pg.group_name, "other"), pg.size()
+        return "other", 1
+
+    def _finish(self) -> StepWork:
+        s = copy.copy(self.summary)
+        s.collectives = sorted(self._collectives.values(), key=lambda c: (c.group, c.kind))
+        return s
+
+
+def _group_size(name: str) -> int:
+    return dist.distributed_c10d._resolve_process_group(name).size()
+
+
+def _collective_kind(name: str) -> str | None:
+    name = name.lstrip("_")
+    if "all_gather" in name or name.startswith("allgather"):
+        return "all_gather"
+    if "reduce_scatter" in name:
+        return "reduce_scatter"
+    if "all_reduce" in name or name.startswith("allreduce"):
+        return "all_reduce"
+    if "all_to_all" in name or name.startswith("alltoall"):
+        return "all_to_all"
+    if name.startswith(("send", "recv")):
+        return "send_recv"
+    if name.startswith("broadcast"):
+        return "broadcast"
+    return None
+
+
+def _work_split(out) -> int:
+    """Over how many ranks a DTensor op's global work is shared (1 for plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    first = next((t for t in tree_flatten(out)[0] if isinstance(t, DTensor)), None)
+    if first is None:
+        return 1
+    split = 1
+    for size, placement in zip(first.device_mesh.shape, first.placements, strict=True):
+        if placement.is_shard() or placement.is_partial():
+            split *= size
+    return split
+
+
+def _bytes(tree) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
+    )
+
+
+def _dtype_key(args) -> str:
+    for t in tree_flatten(args)[0]:
+        if isinstance(t, torch.Tensor):
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                return "fp8"
+            if t.dtype in (torch.bfloat16, torch.float16):
+                return "bf16"
+            return "fp32"
+    return "fp32"
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    schema = func._schema
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == "is_causal" and i < len(args):
+            return bool(args[i])
+    return False
