@@ -144,6 +144,13 @@ def test_shipped_config_dry_runs_at_its_documented_size_and_fits(name, tmp_path)
              "deepseek_v3_16b": 8, "llama4_debug": 1, "gpt_oss_debug": 1, "gemma3_debug": 1,
              "gemma3_27b": 64, "kimi_k2_debug": 1}  # fmt: skip
     assert f"on {sizes[name]} x H100" in out, out
+    # The predicted step time, priced on the H100 system, every line saying it is a prediction.
+    assert "predicted step time on DGX H100 (a model, not a measurement" in out, out
+    m = re.search(
+        r"^predicted: ([\d.e-]+) s per step, ([\d,]+) tokens/s per device, MFU ([\d.]+)%", out, re.M
+    )
+    assert m and float(m[1]) > 0 and int(m[2].replace(",", "")) > 0, out
+    assert 0 < float(m[3]) < 100, out
     if name == "llama3_8b_128k":  # the header names the context-parallel style and the packing
         assert "layout dp_shard 4 x cp 8 all-to-all | seq 131072" in out, out
         assert "| packed documents" in out, out

@@ -128,6 +128,8 @@ def dry_run(config: JobConfig, out=print) -> int:
     for note in [*notes, *memory_mode_notes(config, sim.worst.offloaded)]:
         out(f"note: {note}")
     out(f"simulated {len(sim.roles)} rank role(s) in {sim.seconds:.0f} s")
+    if config.dry_run.search:
+        run_search(config, world_size, vocab_size, capacity, out)
     if problems:
         out(ConfigError(problems).render())
         return EXIT_CONFIG
@@ -144,7 +146,7 @@ def predicted_step_block(config: JobConfig, sim: Simulation, cp_style: str | Non
     try:
         system = system_for(config)
     except ConfigError as e:
-        return f"note: no predicted step time: {first_line(e.render())}"
+        return f"note: no predicted step time: {first_line(e.problems[0])}"
     if system is None:
         return (
             f"note: no predicted step time: no shipped system describes {config.dry_run.device}"
@@ -152,6 +154,20 @@ def predicted_step_block(config: JobConfig, sim: Simulation, cp_style: str | Non
         )
     job = predict_job(sim, system, cp_style)
     return None if job is None else step_time_block(job)
+
+
+def run_search(config: JobConfig, world_size: int, vocab_size: int, capacity: float, out) -> None:
+    """`--dry_run.search`: the layouts that fit, ranked (`titan_trainer.dry_run.search`)."""
+    from titan_trainer.dry_run.search import search_layouts
+
+    system = system_for(config)
+    if system is None:
+        out(
+            f"search: no system describes {config.dry_run.device}; set [dry_run] system"
+            " (docs/step_time.md) to rank layouts by speed"
+        )
+        return
+    search_layouts(config, world_size, vocab_size, system, capacity, out)
 
 
 def _verdict(

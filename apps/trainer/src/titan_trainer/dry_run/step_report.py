@@ -102,12 +102,12 @@ def step_time_block(job: JobPrediction) -> str:
     ]
     for p in job.roles:
         lines.append(
-            f"{p.role:<20}{p.step:>10.3f}{p.share('compute'):>10.0%}{p.share('exposed'):>14.0%}"
+            f"{p.role:<20}{p.step:>10.4g}{p.share('compute'):>10.0%}{p.share('exposed'):>14.0%}"
             f"{p.share('bubble'):>9.0%}{p.communication:>12.3f}"
         )
     comm = ", ".join(f"{g} {t:.3f} s" for g, t in sorted(job.slowest.by_group.items()))
     lines.append(
-        f"predicted: {job.step:.3f} s per step, {job.tokens_per_second_per_device:,.0f} tokens/s"
+        f"predicted: {job.step:.4g} s per step, {job.tokens_per_second_per_device:,.0f} tokens/s"
         f" per device, MFU {job.mfu:.1%}" + (f" (communication by group: {comm})" if comm else "")
     )
     return "\n".join(lines)

@@ -7,7 +7,9 @@ process group of the job's real size). Each operator lands in one kind:
 - `matmul`: matrix products, FLOPs by torch's own counter (`torch.utils.flop_counter`);
 - `attention`: fused attention kernels, FLOPs by the same counter, halved where the kernel is
   causal (it skips the masked half);
-- `memory`: every other operator that computes, priced by the bytes it reads and writes;
+- `memory`: every other operator that computes, priced by the bytes it reads and writes; in a
+  compiled region, the intermediates inductor fuses away (`titan_parallel.compiled_memory`)
+  cost neither traffic nor a kernel;
 - a collective of one parallelism (`fsdp`, `tp`, `cp`, `ep`, `pp`, `dp`): bytes and ranks.
 
 Operators on DTensors (tensor parallel's sharded parameters) are seen at their global shape;
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +31,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from titan_parallel.compiled_memory import counts_allocations
 
 # Operators that move no data: views, metadata, allocation of uninitialised memory.
 _FREE = {
@@ -114,6 +119,16 @@ class StepWork:
         """Model FLOPs as MFU counts them: every matmul and attention FLOP, causal or not."""
         return self.matmul_flops + self.attention_flops_full
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepWork:
+        """A recorded step's work (`to_dict`), for pricing it again without simulating."""
+        fields = dict(data)
+        fields["collectives"] = [Collective(**c) for c in data.get("collectives", [])]
+        return cls(**fields)
+
     def add(self, other: StepWork, times: int = 1) -> None:
         """Adds `times` x `other`'s work to this."""
         for name in ("matmul_flops", "attention_flops", "attention_flops_full", "memory_bytes"):
@@ -165,6 +180,13 @@ class StepTrace(TorchDispatchMode):
     repeats `accum` times (a later run of the same phase replaces an earlier one: the last,
     steady-state microbatch stands for all)."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Counting must not stop compiled regions from compiling (dynamo skips frames under
+        # modes that want every eager op); the simulation's compile backend runs their
+        # partitioned graphs op by op, and those ops come through here all the same.
+        return True
+
     def __init__(self, labels: dict[str, str] | None = None) -> None:
         super().__init__()
         self.labels = labels or {}
@@ -205,10 +227,12 @@ class StepTrace(TorchDispatchMode):
             return
         if namespace in _FREE_NAMESPACES or name in _FREE:
             return
+        packet = func._overloadpacket
+        if packet not in flop_registry and not counts_allocations():
+            return  # an intermediate inductor fuses into a neighbouring kernel: no traffic
         split = _work_split(out)
         s = self.summary
         s.compute_ops += 1
-        packet = func._overloadpacket
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out) / split
             if name.startswith(_ATTENTION):
@@ -225,10 +249,12 @@ class StepTrace(TorchDispatchMode):
         if kind is None:
             return
         group, ranks = self._group(args, kwargs)
-        if kind == "all_gather":
-            moved = _bytes(out) if not name.endswith("_") else _bytes(args[0])
+        if not name.endswith("_"):  # functional: (input, ...) -> output
+            moved = _bytes(out) if kind == "all_gather" else _bytes(args[0])
+        elif kind == "reduce_scatter":  # c10d's in-place ops: (output, input, ...)
+            moved = _bytes(args[1])
         else:
-            moved = _bytes(args[0]) if args else 0
+            moved = _bytes(args[0])
         key = (kind, group, ranks)
         entry = self._collectives.setdefault(key, Collective(kind, group, ranks))
         entry.calls += 1
