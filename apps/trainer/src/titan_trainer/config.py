@@ -469,14 +469,6 @@ class DryRun:
             problems.append(
                 f"[dry_run] headroom_gib = {self.headroom_gib} is not valid\nuse 0 or more"
             )
-        if self.system not in ("auto", "cpu"):
-            from titan_core import ConfigError
-            from titan_trainer.dry_run.hardware import load_system
-
-            try:  # a bad file is named before minutes of simulation, not after
-                load_system(self.system)
-            except ConfigError as e:
-                problems.extend(e.problems)
         return problems
 
 

@@ -21,6 +21,7 @@ from titan_trainer.dry_run.simulate import (
     rank_roles,
     simulate,
 )
+from titan_trainer.dry_run.hardware import load_system
 from titan_trainer.dry_run.step_report import predict_job, step_time_block, system_for
 from titan_trainer.dry_run.suggest import suggest_changes
 from titan_trainer.dry_run.text import gib_text
@@ -100,6 +101,11 @@ def dry_run(config: JobConfig, out=print) -> int:
         return EXIT_CONFIG
     checked = preflight(config, world_size, dry_run=True)
     problems, notes, vocab_size = checked.problems, checked.notes, checked.vocab_size
+    if config.dry_run.system not in ("auto", "cpu"):
+        try:  # a bad system file is named before minutes of simulation, not after
+            load_system(config.dry_run.system)
+        except ConfigError as e:
+            problems = [*problems, *e.problems]
     if problems:
         out(ConfigError(problems).render())
         return EXIT_CONFIG
