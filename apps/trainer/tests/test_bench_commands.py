@@ -303,3 +303,19 @@ def test_bench_readme_long_context_command_runs_at_toy_sizes():
     assert ring["chunks_per_rank"] == 4
     assert ring["skipped_block_share"] > 0.4
     assert 1.0 <= ring["imbalance"] <= ring["head_tail_imbalance"]
+
+
+def test_bench_readme_step_time_command_prices_the_recorded_runs():
+    (command,) = _bench_readme_commands("step_time_published.py")
+    argv = shlex.split(command)
+    assert argv[:3] == ["uv", "run", "python"], argv
+    done = _run_in_repo([sys.executable, *argv[3:]])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    *each, summary = rows
+    assert summary["summary"] and summary["rows"] == len(each) >= 10, summary
+    assert {r["source"] for r in each} >= {"torchtitan-benchmarks", "llama3-paper"}
+    for r in each:
+        assert r["error_pct"] == pytest.approx(
+            100 * (r["predicted"] - r["published"]) / r["published"], abs=0.1
+        ), r

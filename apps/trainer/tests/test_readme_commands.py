@@ -189,6 +189,10 @@ RUN_ELSEWHERE = {
     "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7": (
         "apps/trainer/tests/test_bench_commands.py::test_bench_readme_ckpt_command_runs_at_toy_sizes"
     ),
+    "uv run python bench/step_time_published.py --from-record": (
+        "apps/trainer/tests/test_bench_commands.py::"
+        "test_bench_readme_step_time_command_prices_the_recorded_runs"
+    ),
     "uv run titan-train --job.config_file apps/trainer/configs/llama3_70b.toml --dry-run": (
         "apps/trainer/tests/test_shipped_configs_dry_run.py::"
         "test_shipped_config_dry_runs_at_its_documented_size_and_fits"
