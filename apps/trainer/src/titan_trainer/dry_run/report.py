@@ -15,13 +15,13 @@ from titan_core import ConfigError, Progress, device_memory_gib
 from titan_parallel.memory_estimate import GiB
 from titan_trainer.checkpointing.resume import loadable_problems
 from titan_trainer.config import JobConfig
+from titan_trainer.dry_run.hardware import load_system
 from titan_trainer.dry_run.simulate import (
     Simulation,
     fork_simulations_from_here,
     rank_roles,
     simulate,
 )
-from titan_trainer.dry_run.hardware import load_system
 from titan_trainer.dry_run.step_report import predict_job, step_time_block, system_for
 from titan_trainer.dry_run.suggest import suggest_changes
 from titan_trainer.dry_run.text import gib_text
