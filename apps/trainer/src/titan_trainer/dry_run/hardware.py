@@ -43,6 +43,13 @@ class System:
     op_overhead_us: float
     intra_node: Link
     inter_node: Link
+    dtensor_op_overhead_us: float = 0.0
+    """Microseconds each operator on DTensors costs beyond `op_overhead_us` (DTensor's
+    sharding propagation in Python): measured on CPUs; 0 where it hides behind the device."""
+    attention_score_ns: float = 0.0
+    """Nanoseconds per attention score element beyond its FLOPs (the softmax's exponentials and
+    rescaling): measured on CPUs, where it dominates at small head dimensions; hidden under
+    the matmuls on GPUs (0)."""
     overlap: bool = True
     """Whether communication runs beside computation (GPU streams); a CPU's does not."""
     compute_share: float = 1.0
@@ -123,6 +130,8 @@ def parse_system(data: dict, source: str = "") -> System:
         op_overhead_us=float(eff.get("op_overhead_us", 0.0)),
         intra_node=_link(links["intra_node"], "links.intra_node", need),
         inter_node=_link(links["inter_node"], "links.inter_node", need),
+        attention_score_ns=float(eff.get("attention_score_ns", 0.0)),
+        dtensor_op_overhead_us=float(eff.get("dtensor_op_overhead_us", 0.0)),
         overlap=bool(data.get("overlap", True)),
         compute_share=float(data.get("compute_share", 1.0)),
         provenance={k: str(v) for k, v in data.get("provenance", {}).items()},

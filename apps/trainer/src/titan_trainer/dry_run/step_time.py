@@ -4,8 +4,10 @@ From the simulated step's work (`titan_trainer.dry_run.step_trace`) and a system
 (`titan_trainer.dry_run.hardware`):
 
 - compute: matmul and attention FLOPs at the device's peak for their dtype times the measured
-  share real kernels reach, plus the bytes of every other operator at the memory bandwidth's
-  share, plus a fixed cost per operator (launch and dispatch);
+  share real kernels reach (plus, for attention, a cost per score element where the system
+  gives one: a CPU kernel's softmax), plus the bytes of every other operator at the memory
+  bandwidth's share, plus a fixed cost per operator (launch and dispatch) and, where the
+  system gives one, per operator on DTensors (their sharding propagation);
 - communication: each collective as a ring with an alpha-beta cost: (n - 1) latencies and
   (n - 1) / n of the tensor at the bus bandwidth (twice for all-reduce), on the intra-node
   link when the group's ranks share a node, else on the inter-node link;
@@ -114,10 +116,18 @@ def compute_seconds(work: StepWork, system: System) -> tuple[float, float, float
     peak = system.peak(work.dtype) * system.compute_share
     matmul = work.matmul_flops / (peak * system.matmul_efficiency)
     attention = work.attention_flops / (peak * system.attention_efficiency)
+    attention += work.attention_scores * system.attention_score_ns * 1e-9 / system.compute_share
     memory = work.memory_bytes / (
         system.memory_bandwidth_gbps * 1e9 * system.memory_efficiency * system.compute_share
     )
-    overhead = work.compute_ops * system.op_overhead_us * 1e-6 / system.compute_share
+    overhead = (
+        (
+            work.compute_ops * system.op_overhead_us
+            + work.dtensor_ops * system.dtensor_op_overhead_us
+        )
+        * 1e-6
+        / system.compute_share
+    )
     return matmul + attention + memory + overhead, matmul, attention
 
 

@@ -6,7 +6,9 @@ process group of the job's real size). Each operator lands in one kind:
 
 - `matmul`: matrix products, FLOPs by torch's own counter (`torch.utils.flop_counter`);
 - `attention`: fused attention kernels, FLOPs by the same counter, halved where the kernel is
-  causal (it skips the masked half);
+  causal (it skips the masked half), and the score elements they compute (query x key
+  positions per head, halved the same way: the softmax's per-element work, which FLOPs do not
+  see and which dominates a CPU kernel at small head dimensions);
 - `memory`: every other operator that computes, priced by the bytes it reads and writes; in a
   compiled region, the intermediates inductor fuses away (`titan_parallel.compiled_memory`)
   cost neither traffic nor a kernel;
@@ -14,7 +16,8 @@ process group of the job's real size). Each operator lands in one kind:
 
 Operators on DTensors (tensor parallel's sharded parameters) are seen at their global shape;
 their cost is divided by the ranks that share the work (the mesh dimensions the output is
-sharded or partial over). Views, metadata and allocation operators cost nothing.
+sharded or partial over), and counted apart (DTensor's own dispatch costs per operator). Views,
+metadata and allocation operators cost nothing else.
 """
 
 from __future__ import annotations
@@ -107,9 +110,15 @@ class StepWork:
     attention_flops: float = 0.0
     """Causal kernels' FLOPs halved (their work); `attention_flops_full` counts them whole."""
     attention_flops_full: float = 0.0
+    attention_scores: float = 0.0
+    """Score elements (batch x heads x query x key positions) the attention kernels compute,
+    forward and backward each counted, causal kernels' halved."""
     memory_bytes: float = 0.0
     compute_ops: int = 0
     """Operators that launch a kernel (every priced op but collectives)."""
+    dtensor_ops: int = 0
+    """Operators on DTensors (tensor parallel's), views included: each pays DTensor's dispatch
+    (sharding propagation, unwrapping) on top of the local operator's."""
     collectives: list[Collective] = field(default_factory=list)
     dtype: str = "fp32"
     """The dtype most matmul FLOPs ran in (bf16, fp8, fp32)."""
@@ -131,9 +140,16 @@ class StepWork:
 
     def add(self, other: StepWork, times: int = 1) -> None:
         """Adds `times` x `other`'s work to this."""
-        for name in ("matmul_flops", "attention_flops", "attention_flops_full", "memory_bytes"):
+        for name in (
+            "matmul_flops",
+            "attention_flops",
+            "attention_flops_full",
+            "attention_scores",
+            "memory_bytes",
+        ):
             setattr(self, name, getattr(self, name) + times * getattr(other, name))
         self.compute_ops += times * other.compute_ops
+        self.dtensor_ops += times * other.dtensor_ops
         mine = {(c.kind, c.group, c.ranks): c for c in self.collectives}
         for c in other.collectives:
             entry = mine.setdefault(
@@ -225,19 +241,23 @@ class StepTrace(TorchDispatchMode):
         if namespace in _COLLECTIVE_NAMESPACES:
             self._collective(name, args, kwargs, out)
             return
+        s = self.summary
+        if _on_dtensors(args, out):
+            s.dtensor_ops += 1
         if namespace in _FREE_NAMESPACES or name in _FREE:
             return
         packet = func._overloadpacket
         if packet not in flop_registry and not counts_allocations():
             return  # an intermediate inductor fuses into a neighbouring kernel: no traffic
         split = _work_split(out)
-        s = self.summary
         s.compute_ops += 1
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out) / split
             if name.startswith(_ATTENTION):
+                causal = 2 if _is_causal(func, args, kwargs) else 1
                 s.attention_flops_full += flops
-                s.attention_flops += flops / 2 if _is_causal(func, args, kwargs) else flops
+                s.attention_flops += flops / causal
+                s.attention_scores += _attention_scores(name, args) / split / causal
             else:
                 s.matmul_flops += flops
                 self._dtype_flops[_dtype_key(args)] += flops
@@ -306,6 +326,12 @@ def _collective_kind(name: str) -> str | None:
     return None
 
 
+def _on_dtensors(args, out) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tree_flatten((args, out))[0])
+
+
 def _work_split(out) -> int:
     """Over how many ranks a DTensor op's global work is shared (1 for plain tensors)."""
     from torch.distributed.tensor import DTensor
@@ -335,6 +361,22 @@ def _dtype_key(args) -> str:
                 return "bf16"
             return "fp32"
     return "fp32"
+
+
+def _attention_scores(name: str, args) -> int:
+    """Score elements of one attention call: batch x heads x query positions (the query's
+    elements over its head dimension) x key positions. The query and key are the first two
+    tensors, after the output's gradient for a backward; `_scaled_dot_product_*` and flex
+    attention lay them out (batch, heads, positions, head dim), the others (batch, positions,
+    heads, head dim)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name.endswith("_backward"):
+        tensors = tensors[1:]
+    if len(tensors) < 2 or tensors[0].dim() != 4:
+        return 0
+    query, key = tensors[0], tensors[1]
+    keys = key.shape[-3] if name.startswith(("_flash", "_efficient")) else key.shape[-2]
+    return query.numel() // query.shape[-1] * keys
 
 
 def _is_causal(func, args, kwargs) -> bool:
