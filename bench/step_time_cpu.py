@@ -1,7 +1,8 @@
 """The dry run's predicted step time against measurement on this CPU, as JSON lines.
 
     uv run python bench/step_time_cpu.py [--models debug,100M] [--layouts "FSDP 2,TP 2"]
-    uv run python bench/step_time_cpu.py --record apps/trainer/tests/data/step_time_cpu.json
+    uv run python bench/step_time_cpu.py --record apps/trainer/tests/data/step_time_cpu.json \
+        --out bench/results/step_time_cpu.jsonl
 
 This machine is measured first (`titan_trainer.dry_run.cpu_system`: one thread's matmul peak
 and step-shaped matmuls, attention kernel, memory bandwidth, per-operator overhead, a gloo
@@ -12,8 +13,8 @@ then runs twice: simulated on fake tensors and priced on that system (what `tita
 processes of one thread each timing whole training steps (the slowest rank's, median over the
 steps). One line per layout (measured and predicted seconds, `error_pct` = (predicted -
 measured) / measured), then one summary line per model: the largest error and whether the
-layouts rank the same by both (pairwise order agreement and Kendall's tau). Everything is also
-written to `bench/results/step_time_cpu.jsonl`; `--record` also keeps the traced work, the
+layouts rank the same by both (pairwise order agreement and Kendall's tau); `--out` also writes
+them to a file; `--record` keeps the traced work, the
 system and the measurements (what `apps/trainer/tests/test_step_time_cpu.py` re-prices).
 """
 
@@ -33,7 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--record", default=None, help="JSON file to keep traces and timings in")
     parser.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "step_time_cpu.jsonl")
+        "--out",
+        default=None,
+        help="also write the lines to this file (bench/results/step_time_cpu.jsonl is the"
+        " recorded run's)",
     )
     return parser.parse_args(argv)
 
@@ -77,8 +81,6 @@ def machine() -> dict:
 def main(args: argparse.Namespace) -> None:
     vocab = resolve(plugins.DATA, "titan").build_tokenizer("byte").vocab_size
     names = args.layouts.split(",") if args.layouts else list(LAYOUTS)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     facts = machine()
     lines: list[dict] = []
     records: list[dict] = []
@@ -137,7 +139,9 @@ def main(args: argparse.Namespace) -> None:
         )
     first = next(iter(systems.values()))
     emit({"machine": facts, "system": first.name, **first.provenance})
-    out.write_text("".join(json.dumps(row) + "\n" for row in lines))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in lines))
     if args.record:
         Path(args.record).write_text(
             json.dumps({"machine": facts, "layouts": records}, indent=1) + "\n"

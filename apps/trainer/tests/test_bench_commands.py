@@ -319,3 +319,21 @@ def test_bench_readme_step_time_command_prices_the_recorded_runs():
         assert r["error_pct"] == pytest.approx(
             100 * (r["predicted"] - r["published"]) / r["published"], abs=0.1
         ), r
+
+
+def test_bench_readme_step_time_cpu_command_measures_and_predicts():
+    (command,) = _bench_readme_commands("step_time_cpu.py")
+    argv = shlex.split(command)
+    assert argv[:3] == ["uv", "run", "python"], argv
+    done = _run_in_repo([sys.executable, *argv[3:]])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    layouts = [r for r in rows if "layout" in r]
+    assert [r["layout"] for r in layouts] == ["1 process", "PP 2 (1F1B)"], rows
+    for r in layouts:  # both measured and predicted; how close is the recorded run's test
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0, r
+        assert r["error_pct"] == pytest.approx(
+            100 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"], abs=0.1
+        ), r
+    (summary,) = [r for r in rows if "summary" in r]
+    assert summary["layouts"] == 2 and "kendall_tau" in summary, summary

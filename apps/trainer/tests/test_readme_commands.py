@@ -189,6 +189,10 @@ RUN_ELSEWHERE = {
     "uv run python bench/ckpt.py --only checksums --mb 64,200,683 --saves 7": (
         "apps/trainer/tests/test_bench_commands.py::test_bench_readme_ckpt_command_runs_at_toy_sizes"
     ),
+    'uv run python bench/step_time_cpu.py --models debug --layouts "1 process,PP 2 (1F1B)"': (
+        "apps/trainer/tests/test_bench_commands.py::"
+        "test_bench_readme_step_time_cpu_command_measures_and_predicts"
+    ),
     "uv run python bench/step_time_published.py --from-record": (
         "apps/trainer/tests/test_bench_commands.py::"
         "test_bench_readme_step_time_command_prices_the_recorded_runs"

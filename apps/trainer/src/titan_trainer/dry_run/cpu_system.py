@@ -86,6 +86,18 @@ def measured_cpu_system(processes: int = 1, free: float | None = None) -> System
 _SHARE_ITERATIONS = 30
 
 
+def measured_cpu_system_elsewhere(processes: int = 1) -> System:
+    """`measured_cpu_system` run in a process of its own: the measurement runs torch's kernels
+    (threads) and gloo groups, which must not happen in a dry run's process that later forks
+    simulations from itself (`--dry_run.search`)."""
+    import concurrent.futures
+
+    from titan_trainer.dry_run.simulate import fresh_processes
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=fresh_processes()) as pool:
+        return pool.submit(measured_cpu_system, processes).result()
+
+
 def measure_compute_share(processes: int) -> tuple[float, float]:
     """(the share of a core each of `processes` one-thread gloo processes gets now, the
     seconds a tiny all-reduce among them takes): each runs the same mix of a step's work

@@ -70,12 +70,8 @@ def shipped_systems() -> list[str]:
 
 
 def load_system(name: str, device: str = "H100") -> System:
-    """A shipped system by name, a TOML file by path, `auto` (the shipped system of
-    `device`), or `cpu` (this machine, measured)."""
-    if name == "cpu":
-        from titan_trainer.dry_run.cpu_system import measured_cpu_system
-
-        return measured_cpu_system()
+    """A shipped system by name, a TOML file by path, or `auto` (the shipped system of
+    `device`). `cpu`, this machine measured, is `titan_trainer.dry_run.cpu_system`'s."""
     if name == "auto":
         key = _BY_DEVICE.get(device)
         if key is None:

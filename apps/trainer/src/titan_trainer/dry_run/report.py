@@ -150,7 +150,7 @@ def dry_run(config: JobConfig, out=print) -> int:
 def predicted_step_block(config: JobConfig, sim: Simulation, cp_style: str | None) -> str | None:
     """The step-time block, or a note saying why there is none."""
     try:
-        system = system_for(config)
+        system = system_for(config, sim.world_size)
     except ConfigError as e:
         return f"note: no predicted step time: {first_line(e.problems[0])}"
     if system is None:
@@ -166,7 +166,7 @@ def run_search(config: JobConfig, world_size: int, vocab_size: int, capacity: fl
     """`--dry_run.search`: the layouts that fit, ranked (`titan_trainer.dry_run.search`)."""
     from titan_trainer.dry_run.search import search_layouts
 
-    system = system_for(config)
+    system = system_for(config, world_size)
     if system is None:
         out(
             f"search: no system describes {config.dry_run.device}; set [dry_run] system"

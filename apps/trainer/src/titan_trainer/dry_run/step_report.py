@@ -81,14 +81,19 @@ def predict_job(
     return JobPrediction(system, shape, roles, sim.roles[0].flops_per_token)
 
 
-def system_for(config: JobConfig) -> System | None:
-    """The system `[dry_run] system` names; None for `auto` on a device none describes."""
+def system_for(config: JobConfig, world_size: int = 1) -> System | None:
+    """The system `[dry_run] system` names (`cpu`: measured for `world_size` ranks on this
+    machine); None for `auto` on a device none describes."""
     d = config.dry_run
     if d.system == "auto":
         from titan_trainer.dry_run.hardware import _BY_DEVICE
 
         if d.device not in _BY_DEVICE:
             return None
+    if d.system == "cpu":
+        from titan_trainer.dry_run.cpu_system import measured_cpu_system_elsewhere
+
+        return measured_cpu_system_elsewhere(world_size)
     return load_system(d.system, d.device)
 
 

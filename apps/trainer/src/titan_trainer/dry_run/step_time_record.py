@@ -13,7 +13,7 @@ from titan_trainer.dry_run.hardware import Link, System
 from titan_trainer.dry_run.simulate import Simulation
 from titan_trainer.dry_run.step_report import JobPrediction
 from titan_trainer.dry_run.step_time import JobShape, predict
-from titan_trainer.dry_run.step_trace import Collective, StepWork
+from titan_trainer.dry_run.step_trace import StepWork
 
 
 def record_layout(
@@ -37,15 +37,9 @@ def reprice(record: dict, system: System | None = None) -> float:
     system = system or system_from_dict(record["system"])
     shape = JobShape(**record["shape"])
     return max(
-        predict(role, work_from_dict(work), shape, system).step
+        predict(role, StepWork.from_dict(work), shape, system).step
         for role, work in record["roles"].items()
     )
-
-
-def work_from_dict(data: dict) -> StepWork:
-    data = dict(data)
-    collectives = [Collective(**c) for c in data.pop("collectives")]
-    return StepWork(**data, collectives=collectives)
 
 
 def system_to_dict(system: System) -> dict:
