@@ -11,19 +11,18 @@ model or the measurement, `bench/step_time_cpu.py --record` on a quiet machine r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from titan_trainer.dry_run.step_trace import StepWork
 from titan_trainer.dry_run.step_time_record import (
     order_agreement,
     reprice,
     system_from_dict,
     system_to_dict,
 )
+from titan_trainer.dry_run.step_trace import StepWork
 
 RECORD = Path(__file__).parent / "data" / "step_time_cpu.json"
 TOLERANCE = 0.20
