@@ -231,3 +231,19 @@ def test_predictions_of_published_runs_are_within_20_percent():
     readme = (TRAINER / "README.md").read_text()
     for r in results:  # the README's table is these figures
         assert f"| {r['id']} |" in readme and f"{r['error_pct']:+.1f}%" in readme, r
+
+
+def test_dry_run_prices_on_this_machine_measured_with_system_cpu(tmp_path):
+    result = run_cli(
+        [
+            *("--job.config_file", "apps/trainer/configs/debug_model.toml", "--dry-run"),
+            *("--dry_run.system", "cpu", "--dry_run.world_size", "2"),
+            *("--job.dump_folder", str(tmp_path)),
+        ],
+        timeout=900,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert re.search(r"predicted step time on cpu \(.*measured\)", out), out
+    m = re.search(r"^predicted: ([\d.e-]+) s per step", out, re.M)
+    assert m and float(m[1]) > 0, out
