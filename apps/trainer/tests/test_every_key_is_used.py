@@ -21,7 +21,6 @@ REPO = TESTS.parents[2]
 # key -> the test that shows its effect, for keys the single-process runs cannot reach.
 ELSEWHERE = {
     "comm.mode": "apps/trainer/tests/test_dry_run.py::test_torchtitan_spelling_simulates_each_pipeline_rank",
-    "dry_run.device": "apps/trainer/tests/test_dry_run.py::test_debug_model_dry_run_prints_the_memory_table_and_fits",
     "dry_run.all_ranks": "apps/trainer/tests/test_dry_run.py::test_all_ranks_simulates_every_pipeline_rank",
     "parallelism.fsdp_reshard_after_forward": "apps/trainer/tests/test_parallel_e2e.py::test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process",
     "parallelism.disable_loss_parallel": "apps/trainer/tests/test_parallel_e2e.py::test_fsdp2_x_tp2_on_4_processes_with_validation_matches_one_process",
