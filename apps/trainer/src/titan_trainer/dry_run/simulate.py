@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 
 import titan_parallel
-from titan_core import MemoryMonitor, ModelSpec, Progress, init_logging, supports_bf16
+from titan_core import (
+    MemoryMonitor,
+    ModelSpec,
+    ParallelDims,
+    Progress,
+    init_logging,
+    supports_bf16,
+)
 from titan_core.init import canonical_name
 from titan_parallel.activation_offload import offloaded_bytes
 from titan_parallel.compiled_memory import simulated_backend
@@ -281,37 +288,7 @@ def measure_rank(
     if real_compile and fake:
         raise ValueError("real compilation needs real tensors")
     config = _simulation_config(config, real_compile=real_compile)
-    layout = Layout.resolve(config, world_size)  # the family found by name once, here
-    dims = layout.dims
-    dims.build_mesh("cpu")
-    dtype = target_compute_dtype(config.training.mixed_precision_param)
-    if (
-        not fake
-        and dtype == torch.bfloat16
-        and config.training.dtype == "float32"  # bf16 parameters compute in bf16 everywhere
-        and not supports_bf16(torch.device("cpu"))
-    ):
-        dtype = torch.float32  # what the trainer itself would compute in here
-    seed = config.training.seed or 0
-    runtime = build_parallel_runtime(
-        config, dims, torch.device("cpu"), dtype, seed, cross_entropy_loss
-    )
-    if (
-        config.model.attn_mask_type == "block_causal"
-        and dims.cp_enabled
-        and layout.cp_style() == "ring"
-    ):
-        # The ring over packed documents (its masks, its exchanges) is simulated with one
-        # document per row, its most work: fake ids cannot be read, and the measured step's
-        # random tokens never hold `vocab_size`, so both plan the same ring.
-        runtime.document_start_id = vocab_size
-    converters = build_converters(config, dims)
-    stage_io = (
-        _probe_stage_io(config, layout.spec, runtime, vocab_size, converters, fake)
-        if dims.pp_enabled
-        else None
-    )
-    parts = build_model(config, runtime, vocab_size, converters, stage_io, layout=layout)
+    dims, runtime, parts = build_rank(config, world_size, vocab_size, fake=fake)
     if after_build is not None:
         after_build(runtime, parts)
     phase("model built and parallelised")
@@ -346,6 +323,46 @@ def measure_rank(
         runtime.flops_per_token,
         len(parts),
     )
+
+
+def build_rank(
+    config: JobConfig, world_size: int, vocab_size: int, *, fake: bool
+) -> tuple[ParallelDims, ParallelRuntime, list]:
+    """This rank's model parts as the trainer builds and parallelises them (not yet
+    materialised), in a process group that exists, for `config` as the simulation runs it
+    (`_simulation_config`): the world mesh, the runtime and the parts."""
+    layout = Layout.resolve(config, world_size)  # the family found by name once, here
+    dims = layout.dims
+    dims.build_mesh("cpu")
+    dtype = target_compute_dtype(config.training.mixed_precision_param)
+    if (
+        not fake
+        and dtype == torch.bfloat16
+        and config.training.dtype == "float32"  # bf16 parameters compute in bf16 everywhere
+        and not supports_bf16(torch.device("cpu"))
+    ):
+        dtype = torch.float32  # what the trainer itself would compute in here
+    seed = config.training.seed or 0
+    runtime = build_parallel_runtime(
+        config, dims, torch.device("cpu"), dtype, seed, cross_entropy_loss
+    )
+    if (
+        config.model.attn_mask_type == "block_causal"
+        and dims.cp_enabled
+        and layout.cp_style() == "ring"
+    ):
+        # The ring over packed documents (its masks, its exchanges) is simulated with one
+        # document per row, its most work: fake ids cannot be read, and the measured step's
+        # random tokens never hold `vocab_size`, so both plan the same ring.
+        runtime.document_start_id = vocab_size
+    converters = build_converters(config, dims)
+    stage_io = (
+        _probe_stage_io(config, layout.spec, runtime, vocab_size, converters, fake)
+        if dims.pp_enabled
+        else None
+    )
+    parts = build_model(config, runtime, vocab_size, converters, stage_io, layout=layout)
+    return dims, runtime, parts
 
 
 def _kernels(kernels: str) -> contextlib.AbstractContextManager:

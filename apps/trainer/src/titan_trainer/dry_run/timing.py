@@ -31,9 +31,9 @@ from titan_trainer.dry_run.hardware import System
 from titan_trainer.dry_run.simulate import (
     Simulation,
     _create_optimizer_state,
-    _probe_stage_io,
     _simulation_config,
     _step_fn,
+    build_rank,
     fresh_processes,
     rank_roles,
     simulate_rank,
@@ -202,28 +202,10 @@ def _worker(
 def _build_step(config: JobConfig, world_size: int, vocab_size: int):
     """The trainer's build, initialisation, optimizer and step of this rank, on real tensors
     (as `measure_rank(fake=False)` builds them, without the memory tracker)."""
-    from titan_trainer.layout import Layout
-    from titan_trainer.loss import cross_entropy_loss
-    from titan_trainer.model import build_converters, build_model
     from titan_trainer.optimizer import build_optimizer
-    from titan_trainer.precision import target_compute_dtype
-    from titan_trainer.runtime import build_parallel_runtime
 
     config = _simulation_config(config)
-    layout = Layout.resolve(config, world_size)
-    dims = layout.dims
-    dims.build_mesh("cpu")
-    dtype = target_compute_dtype(config.training.mixed_precision_param)
-    runtime = build_parallel_runtime(
-        config, dims, torch.device("cpu"), dtype, config.training.seed or 0, cross_entropy_loss
-    )
-    converters = build_converters(config, dims)
-    stage_io = (
-        _probe_stage_io(config, layout.spec, runtime, vocab_size, converters, False)
-        if dims.pp_enabled
-        else None
-    )
-    parts = build_model(config, runtime, vocab_size, converters, stage_io, layout=layout)
+    dims, runtime, parts = build_rank(config, world_size, vocab_size, fake=False)
     runtime.materialize(parts)
     runtime.init_weights(parts)
     optimizer = build_optimizer(
