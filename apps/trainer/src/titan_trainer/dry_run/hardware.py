@@ -65,6 +65,11 @@ class System:
         raise ConfigError(f"system {self.name!r} gives no peak for {dtype}")
 
 
+def auto_system(device: str) -> str | None:
+    """The shipped system `auto` takes for `[dry_run] device`; None where none describes it."""
+    return _BY_DEVICE.get(device)
+
+
 def shipped_systems() -> list[str]:
     return sorted(p.stem for p in SYSTEMS_DIR.glob("*.toml"))
 
@@ -73,7 +78,7 @@ def load_system(name: str, device: str = "H100") -> System:
     """A shipped system by name, a TOML file by path, or `auto` (the shipped system of
     `device`). `cpu`, this machine measured, is `titan_trainer.dry_run.cpu_system`'s."""
     if name == "auto":
-        key = _BY_DEVICE.get(device)
+        key = auto_system(device)
         if key is None:
             raise ConfigError(
                 f"[dry_run] device = {device!r} has no shipped system to price a step on\n"

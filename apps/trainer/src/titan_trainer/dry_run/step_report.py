@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from titan_trainer.batch import BatchShape
 from titan_trainer.config import JobConfig
-from titan_trainer.dry_run.hardware import System, load_system
+from titan_trainer.dry_run.hardware import System, auto_system, load_system
 from titan_trainer.dry_run.simulate import Simulation
 from titan_trainer.dry_run.step_time import JobShape, Prediction, predict
 
@@ -85,11 +85,8 @@ def system_for(config: JobConfig, world_size: int = 1) -> System | None:
     """The system `[dry_run] system` names (`cpu`: measured for `world_size` ranks on this
     machine); None for `auto` on a device none describes."""
     d = config.dry_run
-    if d.system == "auto":
-        from titan_trainer.dry_run.hardware import _BY_DEVICE
-
-        if d.device not in _BY_DEVICE:
-            return None
+    if d.system == "auto" and auto_system(d.device) is None:
+        return None
     if d.system == "cpu":
         from titan_trainer.dry_run.cpu_system import measured_cpu_system_elsewhere
 
