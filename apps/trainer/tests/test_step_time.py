@@ -4,6 +4,7 @@ predictions against published large-scale runs (recorded work, priced again here
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -22,7 +23,12 @@ from titan_trainer.dry_run.step_time import (
     pipeline_bubble,
     predict,
 )
-from titan_trainer.dry_run.step_trace import Collective, StepTrace, StepWork
+from titan_trainer.dry_run.step_trace import (
+    Collective,
+    StepTrace,
+    StepWork,
+    cpu_flash_causal_share,
+)
 
 REPO = TRAINER.parents[1]
 RECORD = REPO / "bench" / "results" / "step_time_published.json"
@@ -50,6 +56,14 @@ def test_a_ring_costs_its_latencies_and_its_share_of_the_tensor_on_the_right_lin
     expected_inter = 10 * 7 * inter.latency_us * 1e-6 + 8e9 * 7 / 8 / (inter.bandwidth_gbps * 1e9)
     assert collective_seconds(c, H100, wide) == pytest.approx(expected_inter)
     assert collective_seconds(Collective("all_gather", "tp", 1, 5, 10**9), H100, wide) == 0
+    # A measured system's own link for a kind (gloo's slow reduce-scatter) replaces the
+    # intra-node link for that kind only, and never a cross-node one.
+    slow = Link(bandwidth_gbps=intra.bandwidth_gbps / 4, latency_us=intra.latency_us)
+    measured = dataclasses.replace(H100, links_by_kind={"reduce_scatter": slow})
+    rs = Collective("reduce_scatter", "fsdp", 8, calls=10, bytes=8 * 10**9)
+    assert collective_seconds(rs, measured, degrees) > 3 * collective_seconds(rs, H100, degrees)
+    assert collective_seconds(c, measured, degrees) == pytest.approx(expected)
+    assert collective_seconds(rs, measured, wide) == pytest.approx(expected_inter)
 
 
 def test_the_pipeline_bubble_follows_the_schedule():
@@ -129,12 +143,49 @@ def test_the_trace_counts_matmul_and_attention_flops_as_written_out():
     work = trace.work()
     # forward 2*b*s*d*3d, backward twice that (input and weight gradients), three microbatches
     assert work.matmul_flops == pytest.approx(3 * 3 * 2 * b * s * d * 3 * d)
-    # attention: 4*b*h*s*s*hd forward (two matmuls), 2.5x that backward; causal halves the work
+    # attention: 4*b*h*s*s*hd forward (two matmuls), 2.5x that backward; torch's CPU kernel
+    # computes all of a causal square of 64 positions (one key block)
     full = 3 * (4 + 10) * b * heads * s * s * (d // heads)
     assert work.attention_flops_full == pytest.approx(full)
-    assert work.attention_flops == pytest.approx(full / 2)
+    assert cpu_flash_causal_share(s, s) == 1.0
+    assert work.attention_flops == pytest.approx(full)
     assert work.memory_bytes > 0 and work.compute_ops > 0
     assert StepWork.from_dict(json.loads(json.dumps(work.to_dict()))) == work
+
+
+def test_the_cpu_attention_kernel_computes_the_causal_share_the_trace_counts():
+    # torch's CPU flash kernel computes whole key blocks of up to 512 positions: a causal
+    # square of 512 costs what a full one does, one of 2048 about 0.62 of it. Timed here as a
+    # ratio of two runs in one process (min of 5 each), against the trace's count.
+    import time
+
+    def seconds(fn) -> float:
+        fn()
+        best = math.inf
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for length in (512, 2048):
+            q = torch.randn(max(1, 2048 // length), 4, length, 64)
+            causal = seconds(
+                lambda q=q: torch.nn.functional.scaled_dot_product_attention(
+                    q, q, q, is_causal=True
+                )
+            )
+            full = seconds(lambda q=q: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+            share = cpu_flash_causal_share(length, length)
+            assert causal / full == pytest.approx(share, abs=0.12), (length, causal / full, share)
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_flash_causal_share(512, 512) == 1.0
+    assert cpu_flash_causal_share(1024, 1024) == 0.75
+    assert cpu_flash_causal_share(1 << 16, 1 << 16) == pytest.approx(0.5, abs=0.01)
 
 
 def test_debug_model_dry_run_prints_a_predicted_step_time_block(tmp_path):
@@ -247,3 +298,19 @@ def test_dry_run_prices_on_this_machine_measured_with_system_cpu(tmp_path):
     assert re.search(r"predicted step time on cpu \(.*measured\)", out), out
     m = re.search(r"^predicted: ([\d.e-]+) s per step", out, re.M)
     assert m and float(m[1]) > 0, out
+
+
+def test_context_parallel_exchanges_are_told_from_fsdp_on_the_group_they_share():
+    # With dp_shard 1, FSDP's dp_shard x cp group is the context parallel group itself: its
+    # all-gathers and reduce-scatters are FSDP's (hidden behind compute on a GPU), the
+    # attention's all-to-alls context parallel's (exposed).
+    from titan_core import plugins, resolve
+    from titan_trainer.dry_run.timing import LAYOUTS, model_config, simulate_for_cpu
+
+    vocab = resolve(plugins.DATA, "titan").build_tokenizer("byte").vocab_size
+    world, extra = LAYOUTS["CP 2"]
+    sim = simulate_for_cpu(model_config("debug", extra), world, vocab)
+    kinds = {(c.group, c.kind) for role in sim.roles for c in role.trace.collectives}
+    assert ("cp", "all_to_all") in kinds, kinds
+    assert {("fsdp", "all_gather"), ("fsdp", "reduce_scatter")} <= kinds, kinds
+    assert not any(group == "fsdp" and kind == "all_to_all" for group, kind in kinds), kinds

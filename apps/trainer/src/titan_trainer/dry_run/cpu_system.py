@@ -4,8 +4,9 @@ A CPU run of the trainer (the tests, the accuracy benchmarks) is `processes` glo
 one thread each (`titan_trainer.dry_run.accuracy`), so every figure is a single thread's:
 
 - peak: the fastest fp32 square matmul on one thread (`titan_core.flops.measure_matmul_flops`);
-  the matmul efficiency is what rectangular matmuls shaped like a training step's reach of it
-  (tokens x model width x a projection's width, at two widths), measured too;
+  the matmul efficiency is what a training step's matmuls reach of it (each linear layer's
+  forward, input gradient and weight gradient, laid out as autograd runs them, at two model
+  widths), measured too;
 - attention: one thread's causal attention kernel, forward and backward, at head dimensions
   16, 64 and 128 and sequences of 512 and 1024, its traced FLOPs and score elements (as `StepTrace` counts them) fitted by
   least squares to FLOPs at a rate plus a cost per score element (the softmax's work, which
@@ -15,10 +16,12 @@ one thread each (`titan_trainer.dry_run.accuracy`), so every figure is a single 
   and divided by the aten operators it dispatches (counted as the step trace counts them);
   the same graph on DTensors sharded over two processes gives what each operator on DTensors
   costs on top (tensor parallel's);
-- the link: two local gloo processes over loopback timing all-reduces and all-gathers of a
-  few sizes, fitted by least squares to the ring's alpha-beta cost that
-  `titan_trainer.dry_run.step_time` prices (one latency per ring step, the bytes at a bus
-  bandwidth); both links are loopback (`devices_per_node` is large);
+- the links: two local gloo processes over loopback timing all-reduces, all-gathers,
+  reduce-scatters and all-to-alls from 1 KiB to 32 MiB, fitted by least squares to the ring's
+  alpha-beta cost that `titan_trainer.dry_run.step_time` prices (one latency per ring step,
+  the bytes at a bus bandwidth): one link for all (both of the system's links are loopback,
+  `devices_per_node` is large) and one per kind (`System.links_by_kind`: gloo's
+  reduce-scatter reaches under half the bandwidth of its all-reduce);
 - no overlap (gloo's collectives block the process), and each rank's share of a core
   measured: `processes` gloo processes running a mix of a step's work at once (a matmul, an
   attention, an out-of-cache add), each's rate over one process's alone (processes beyond the
@@ -44,8 +47,10 @@ import torch
 
 from titan_trainer.dry_run.hardware import Link, System
 
-_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
-"""Bytes of the collectives timed for the link's fit (1 KiB to 4 MiB)."""
+_SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 25)
+"""Bytes of the collectives timed for the links' fits (1 KiB to 32 MiB: a tensor parallel
+activation to a 100M-scale model's FSDP block)."""
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def measured_cpu_system(processes: int = 1, free: float | None = None) -> System:
@@ -54,14 +59,21 @@ def measured_cpu_system(processes: int = 1, free: float | None = None) -> System
     other processes keep busy, the cost of sharing a core); with `free`, the cores the job
     had (measured over a run), it is min(1, free / processes) instead."""
     base = _measured()
-    cores = os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     provenance = dict(base.provenance)
-    link = base.intra_node
+    link, by_kind = base.intra_node, base.links_by_kind
     if free is None:
-        share, call = measure_compute_share(processes)
+        measured, call, exchange = measure_compute_share(processes)
+        # More processes than cores time-share them: each gets at most cores / processes of
+        # one. The mix can measure more (while some wait on the others at its collectives,
+        # the rest compute faster); a step, mostly computing, leaves less of that slack.
+        share = min(measured, cores / max(processes, 1))
         provenance["compute_share"] = (
             f"measured: {processes} communicating 1-thread processes' rate over one's "
-            f"(matmul, attention, memory): {share:.3f}"
+            f"(matmul, attention, memory): {measured:.3f}; at most {cores} cores / "
+            f"{processes} processes: {share:.3f}"
         )
         if processes > 1:
             # A collective among processes that share cores waits for each to be scheduled:
@@ -70,16 +82,41 @@ def measured_cpu_system(processes: int = 1, free: float | None = None) -> System
             if latency > link.latency_us:
                 link = replace(link, latency_us=latency)
                 provenance["links"] += (
-                    f"; latency {latency:.0f} us: a tiny all-reduce among {processes} busy "
-                    "processes on this machine, measured"
+                    f"; latency at least {latency:.0f} us: a tiny all-reduce among "
+                    f"{processes} busy processes on this machine, measured"
                 )
+            # And its bytes move slower where the processes outnumber the cores: gloo's copies
+            # are the processes' own work. The all-gather timed among them, over what the
+            # idle pair's fit says it takes, slows every kind's bandwidth.
+            alone = by_kind["all_gather"]
+            n = processes
+            expected = (n - 1) * alone.latency_us * 1e-6 + (n - 1) / n * _EXCHANGE_BYTES / (
+                alone.bandwidth_gbps * 1e9
+            )
+            slower = max(1.0, exchange / expected)
+            by_kind = {
+                kind: Link(k.bandwidth_gbps / slower, max(k.latency_us, latency))
+                for kind, k in by_kind.items()
+            }
+            if slower > 1:
+                link = replace(link, bandwidth_gbps=link.bandwidth_gbps / slower)
+            provenance["links"] += (
+                f"; bandwidth / {slower:.2f}: a {_EXCHANGE_BYTES >> 20} MiB all-gather among "
+                f"{processes} busy processes, {exchange * 1e3:.1f} ms against "
+                f"{expected * 1e3:.1f} ms by the idle fit, measured"
+            )
     else:
         share = min(1.0, free / max(processes, 1))
         provenance["compute_share"] = (
             f"min(1, {free:.2f} free of {cores} cores / {processes} processes): {share:.3f}"
         )
     return replace(
-        base, compute_share=share, intra_node=link, inter_node=link, provenance=provenance
+        base,
+        compute_share=share,
+        intra_node=link,
+        inter_node=link,
+        links_by_kind=by_kind,
+        provenance=provenance,
     )
 
 
@@ -98,11 +135,17 @@ def measured_cpu_system_elsewhere(processes: int = 1) -> System:
         return pool.submit(measured_cpu_system, processes).result()
 
 
-def measure_compute_share(processes: int) -> tuple[float, float]:
+_EXCHANGE_BYTES = 8 << 20
+"""The all-gather (its output) each round of `measure_compute_share` times among busy
+processes: a block's FSDP all-gather or a tensor parallel activation of a small model."""
+
+
+def measure_compute_share(processes: int) -> tuple[float, float, float]:
     """(the share of a core each of `processes` one-thread gloo processes gets now, the
-    seconds a tiny all-reduce among them takes): each runs the same mix of a step's work
-    (`_mix_and_sync`) with a tiny all-reduce after each round (the ranks keep step as a
-    job's do); the share is its rate over one process's alone on the machine, below 1 where
+    seconds a tiny all-reduce among them takes, the seconds an all-gather of `_EXCHANGE_BYTES`
+    takes just after it): each runs the same mix of a step's work (`_mix_and_sync`) with the
+    two collectives after each round (the ranks keep step as a job's do; the tiny one takes
+    their skew); the share is its rate over one process's alone on the machine, below 1 where
     the processes outnumber the free cores (other work counted) or take caches and memory
     bandwidth from each other."""
     from titan_trainer.dry_run.simulate import fresh_processes
@@ -125,18 +168,21 @@ def measure_compute_share(processes: int) -> tuple[float, float]:
         measured = [results.get(timeout=300) for _ in procs]
         for p in procs:
             p.join(timeout=60)
-    rates = [rate for rate, _ in measured]
-    calls = [call for _, call in measured]
-    return min(1.0, sum(rates) / len(rates) / alone), sum(calls) / len(calls)
+    rates, calls, exchanges = zip(*measured, strict=True)
+    return (
+        min(1.0, sum(rates) / len(rates) / alone),
+        sum(calls) / len(calls),
+        sum(exchanges) / len(exchanges),
+    )
 
 
 def _mix_rate(sync) -> float:
     return _mix_and_sync(sync)[0]
 
 
-def _mix_and_sync(sync) -> tuple[float, float]:
-    """(iterations per second of a step's mix of work, seconds per `sync` call), each
-    iteration the mix then `sync`: a step-shaped matmul, a causal attention's forward and
+def _mix_and_sync(sync, exchange=None) -> tuple[float, float, float]:
+    """(iterations per second of a step's mix of work, seconds per `sync` call, seconds per
+    `exchange` call), each iteration the mix then `sync` then `exchange`: a step-shaped matmul, a causal attention's forward and
     an out-of-cache add (compute-, cache- and memory-bound work in about a step's
     proportions), so that what processes sharing a machine take from each other (cores,
     caches, memory bandwidth) is all in the rate."""
@@ -153,16 +199,21 @@ def _mix_and_sync(sync) -> tuple[float, float]:
         torch.add(x, y, out=out)
 
     mix()
-    computing = syncing = 0.0
+    computing = syncing = exchanging = 0.0
     for _ in range(_SHARE_ITERATIONS):
         start = time.perf_counter()
         mix()
         middle = time.perf_counter()
         if sync is not None:
             sync()
+        synced = time.perf_counter()
+        if exchange is not None:
+            exchange()
         computing += middle - start
-        syncing += time.perf_counter() - middle
-    return _SHARE_ITERATIONS / computing, syncing / _SHARE_ITERATIONS
+        syncing += synced - middle
+        exchanging += time.perf_counter() - synced
+    n = _SHARE_ITERATIONS
+    return n / computing, syncing / n, exchanging / n
 
 
 def _share_worker(rank: int, processes: int, tmp: str, results) -> None:
@@ -174,8 +225,15 @@ def _share_worker(rank: int, processes: int, tmp: str, results) -> None:
     )
     try:
         flag = torch.zeros(1)
+        shard = torch.ones(_EXCHANGE_BYTES // 4 // processes)
+        gathered = torch.empty(shard.numel() * processes)
         dist.barrier()
-        results.put(_mix_and_sync(lambda: dist.all_reduce(flag)))
+        results.put(
+            _mix_and_sync(
+                lambda: dist.all_reduce(flag),
+                lambda: dist.all_gather_into_tensor(gathered, shard),
+            )
+        )
     finally:
         dist.destroy_process_group()
 
@@ -192,7 +250,7 @@ def _measured() -> System:
         attention_rate, score_seconds = measure_attention()
     finally:
         torch.set_num_threads(threads)
-    link, (dtensor_seconds, ops, dtensor_ops) = measure_gloo_link()
+    link, by_kind, (dtensor_seconds, ops, dtensor_ops) = measure_gloo_link()
     # What the DTensor graph took beyond its operators' own dispatch, per DTensor operator.
     dtensor_overhead = max(0.0, (dtensor_seconds - ops * overhead) / max(dtensor_ops, 1))
     cpu = _cpu_name()
@@ -212,6 +270,7 @@ def _measured() -> System:
         inter_node=link,
         overlap=False,
         compute_share=1.0,
+        links_by_kind=by_kind,
         provenance={
             "peak_tflops": f"measured: fastest fp32 square matmul on 1 thread, "
             f"{flops / 1e9:.1f} GFLOP/s",
@@ -224,9 +283,15 @@ def _measured() -> System:
             f"processes, {dtensor_overhead * 1e6:.1f} us per DTensor op beyond the aten op's",
             "links": f"measured: 2 gloo processes over loopback, all_reduce and all_gather of "
             f"{_SIZES[0]}..{_SIZES[-1]} bytes, alpha-beta least squares: "
-            f"{link.latency_us:.1f} us, {link.bandwidth_gbps:.2f} GB/s",
-            "matmul_efficiency": f"measured: 1-thread rectangular matmuls shaped like a "
-            f"training step's (tokens x width x projection), {step_flops / 1e9:.1f} GFLOP/s",
+            f"{link.latency_us:.1f} us, {link.bandwidth_gbps:.2f} GB/s; each kind's own fit "
+            "(all_reduce, all_gather, reduce_scatter, all_to_all): "
+            + ", ".join(
+                f"{kind} {k.latency_us:.0f} us {k.bandwidth_gbps:.2f} GB/s"
+                for kind, k in by_kind.items()
+            ),
+            "matmul_efficiency": f"measured: 1-thread matmuls of a training step's linear "
+            f"layers (forward, input and weight gradients as autograd lays them out), "
+            f"{step_flops / 1e9:.1f} GFLOP/s",
             "efficiency": "memory 1.0 (the bandwidth is this machine's, measured); matmul and "
             "attention: their measured rates over the square matmul peak",
         },
@@ -240,26 +305,26 @@ def measure_single_thread_matmul() -> float:
     return measure_matmul_flops(torch.device("cpu"), torch.float32, min_seconds=0.3)
 
 
-# A training step's matmuls: tokens x model width x a projection's width, and the weight
-# gradients' (width x tokens x width); widths of small and 100M-scale models.
-_STEP_MATMULS = [
-    (m, k, n)
-    for width in (256, 768)
-    for m, k, n in ((4096, width, width), (4096, width, 3 * width), (width, 4096, 3 * width))
-]
+# A training step's linear layers: (tokens, in features, out features) at the widths of small
+# and 100M-scale models, a projection as wide as the model and one three times wider.
+_STEP_LINEARS = [(4096, width, out) for width in (256, 768) for out in (width, 3 * width)]
 
 
 def measure_step_matmuls(repeats: int = 5) -> float:
-    """FLOP/s of one thread over rectangular matmuls shaped like a training step's (the
-    fastest of `repeats` each, total FLOPs over total seconds): what the square peak's
-    efficiency is in a step."""
+    """FLOP/s of one thread over a training step's matmuls (the fastest of `repeats` each,
+    total FLOPs over total seconds): each linear layer's three, laid out as autograd runs them
+    (the forward x @ W.T, the input gradient g @ W, the weight gradient g.T @ x: BLAS is
+    slower on some transposed operands), what the square peak's efficiency is in a step."""
     generator = torch.Generator().manual_seed(0)
     flop = seconds = 0.0
-    for m, k, n in _STEP_MATMULS:
-        a, b = torch.randn(m, k, generator=generator), torch.randn(k, n, generator=generator)
-        torch.mm(a, b)
-        seconds += min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(repeats))
-        flop += 2 * m * k * n
+    for tokens, width, out in _STEP_LINEARS:
+        x = torch.randn(tokens, width, generator=generator)
+        w = torch.randn(out, width, generator=generator)
+        g = torch.randn(tokens, out, generator=generator)
+        for a, b in ((x, w.t()), (g, w), (g.t(), x)):
+            torch.mm(a, b)
+            seconds += min(_timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(repeats))
+            flop += 2 * tokens * width * out
     return flop / seconds
 
 
@@ -356,10 +421,11 @@ def measure_op_overhead(repeats: int = 30) -> float:
 _VIEWS = {"view", "_unsafe_view", "t", "transpose", "expand", "detach", "alias", "empty_like"}
 
 
-def measure_gloo_link() -> tuple[Link, tuple[float, int, int]]:
-    """Two gloo processes over loopback: the alpha-beta link that fits their collectives, and
-    (seconds, operators, operators on DTensors) of a small graph on DTensors over the two
-    (`_time_dtensor_graph`)."""
+def measure_gloo_link() -> tuple[Link, dict[str, Link], tuple[float, int, int]]:
+    """Two gloo processes over loopback: the alpha-beta link that fits their all-reduces and
+    all-gathers, each collective kind's own fit (gloo's reduce-scatter, for one, costs about
+    twice a ring's), and (seconds, operators, operators on DTensors) of a small graph on
+    DTensors over the two (`_time_dtensor_graph`)."""
     from titan_trainer.dry_run.simulate import fresh_processes
 
     context = fresh_processes()
@@ -370,10 +436,12 @@ def measure_gloo_link() -> tuple[Link, tuple[float, int, int]]:
         ]
         for p in procs:
             p.start()
-        samples, dtensor = results.get(timeout=120)
+        samples, dtensor = results.get(timeout=300)
         for p in procs:
             p.join(timeout=60)
-    return fit_link(samples, ranks=2), dtensor
+    general = [s for s in samples if s[0] in ("all_reduce", "all_gather")]
+    by_kind = {kind: fit_link([s for s in samples if s[0] == kind], ranks=2) for kind in _KINDS}
+    return fit_link(general, ranks=2), by_kind, dtensor
 
 
 def fit_link(samples: list[tuple[str, int, float]], ranks: int) -> Link:
@@ -400,23 +468,29 @@ def _link_worker(rank: int, tmp: str, results) -> None:
     try:
         samples = []
         for size in _SIZES:
-            n = size // 4
-            tensor = torch.ones(n)
-            gathered = torch.empty(2 * n)
-            for kind in ("all_reduce", "all_gather"):
+            full, shard = torch.ones(size // 4), torch.ones(size // 8)
+            out = torch.empty(size // 4)
+            calls = {
+                "all_reduce": lambda full=full: dist.all_reduce(full),
+                "all_gather": lambda full=full, shard=shard: dist.all_gather_into_tensor(
+                    full, shard
+                ),
+                "reduce_scatter": lambda full=full, shard=shard: dist.reduce_scatter_tensor(
+                    shard, full
+                ),
+                "all_to_all": lambda full=full, out=out: dist.all_to_all_single(out, full),
+            }
+            for kind in _KINDS:
                 times = []
-                for i in range(12):
+                for i in range(10 if size < 1 << 24 else 6):
                     dist.barrier()
                     start = time.perf_counter()
-                    if kind == "all_reduce":
-                        dist.all_reduce(tensor)
-                    else:
-                        dist.all_gather_into_tensor(gathered, tensor)
+                    calls[kind]()
                     if i >= 2:
                         times.append(time.perf_counter() - start)
-                # all_gather's bytes are its output's (as the step trace counts them).
-                moved = size if kind == "all_reduce" else 2 * size
-                samples.append((kind, moved, float(np.median(times))))
+                # Bytes as the step trace counts them: the full tensor (all-gather's output,
+                # reduce-scatter's and all-to-all's input, all-reduce's tensor).
+                samples.append((kind, size, float(np.median(times))))
         dtensor = _time_dtensor_graph()
         if rank == 0:
             results.put((samples, dtensor))

@@ -54,6 +54,11 @@ class System:
     """Whether communication runs beside computation (GPU streams); a CPU's does not."""
     compute_share: float = 1.0
     """The share of a device each rank gets (CPU processes sharing cores)."""
+    links_by_kind: dict[str, Link] = field(default_factory=dict)
+    """A link per collective kind (all_gather, reduce_scatter, ...), priced in place of the
+    intra-node one: a measured system's (gloo implements each collective its own way, some
+    far slower than a ring); empty for the shipped GPU systems, whose ring collectives share
+    one bus bandwidth."""
     provenance: dict[str, str] = field(default_factory=dict)
     source: str = ""
 

@@ -102,6 +102,8 @@ def collective_seconds(c: Collective, system: System, degrees: dict[str, int]) -
         return 0.0
     within_node = group_stride(c.group, degrees) * n <= system.devices_per_node
     link = system.intra_node if within_node else system.inter_node
+    if within_node and c.kind in system.links_by_kind:
+        link = system.links_by_kind[c.kind]
     bandwidth = link.bandwidth_gbps * 1e9
     alpha = link.latency_us * 1e-6
     if c.kind == "send_recv":

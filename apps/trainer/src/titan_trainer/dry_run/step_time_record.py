@@ -50,6 +50,7 @@ def system_from_dict(data: dict) -> System:
     data = dict(data)
     for link in ("intra_node", "inter_node"):
         data[link] = Link(**data[link])
+    data["links_by_kind"] = {k: Link(**v) for k, v in data.get("links_by_kind", {}).items()}
     return System(**data)
 
 

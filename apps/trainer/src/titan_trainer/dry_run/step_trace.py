@@ -5,10 +5,11 @@
 process group of the job's real size). Each operator lands in one kind:
 
 - `matmul`: matrix products, FLOPs by torch's own counter (`torch.utils.flop_counter`);
-- `attention`: fused attention kernels, FLOPs by the same counter, halved where the kernel is
-  causal (it skips the masked half), and the score elements they compute (query x key
-  positions per head, halved the same way: the softmax's per-element work, which FLOPs do not
-  see and which dominates a CPU kernel at small head dimensions);
+- `attention`: fused attention kernels, FLOPs by the same counter, times the share of the
+  query x key blocks a causal kernel computes (half on GPUs; on a CPU, by its kernel's tiling:
+  all of it up to 512 positions), and the score elements they compute (query x key positions
+  per head, the same share of them: the softmax's per-element work, which FLOPs do not see and
+  which dominates a CPU kernel at small head dimensions);
 - `memory`: every other operator that computes, priced by the bytes it reads and writes; in a
   compiled region, the intermediates inductor fuses away (`titan_parallel.compiled_memory`)
   cost neither traffic nor a kernel;
@@ -108,11 +109,12 @@ class StepWork:
 
     matmul_flops: float = 0.0
     attention_flops: float = 0.0
-    """Causal kernels' FLOPs halved (their work); `attention_flops_full` counts them whole."""
+    """What the kernels compute: a causal kernel's FLOPs times the share of blocks it computes
+    (`_causal_share`); `attention_flops_full` counts them whole."""
     attention_flops_full: float = 0.0
     attention_scores: float = 0.0
     """Score elements (batch x heads x query x key positions) the attention kernels compute,
-    forward and backward each counted, causal kernels' halved."""
+    forward and backward each counted, causal kernels' times the same share."""
     memory_bytes: float = 0.0
     compute_ops: int = 0
     """Operators that launch a kernel (every priced op but collectives)."""
@@ -177,8 +179,11 @@ _GROUP_NAMES = {
 
 
 def group_labels(dims) -> dict[str, str]:
-    """The name of each process group of a built mesh -> the parallelism it serves."""
-    labels: dict[str, str] = {}
+    """The name of each process group of a built mesh -> the parallelism it serves. A group
+    that serves data parallelism and another one (FSDP's dp_shard x cp group is the context
+    parallel group itself when dp_shard is 1) is labelled with both, data parallelism first,
+    joined by "+": `StepTrace` tells their collectives apart by how they are issued."""
+    labels: dict[str, list[str]] = {}
     for role, label in _GROUP_NAMES.items():
         try:
             mesh = dims.mesh(role)
@@ -186,8 +191,24 @@ def group_labels(dims) -> dict[str, str]:
             continue
         if mesh is None or mesh.ndim != 1:
             continue
-        labels.setdefault(mesh.get_group().group_name, label)
-    return labels
+        serves = labels.setdefault(mesh.get_group().group_name, [])
+        if label not in serves:
+            serves.append(label)
+    return {
+        name: "+".join(serves[:2]) if serves[0] in ("fsdp", "dp") else serves[0]
+        for name, serves in labels.items()
+    }
+
+
+def _label_of_call(label: str, in_place: bool) -> str:
+    """The parallelism one collective on a group labelled `label` serves: on a group shared
+    by data parallelism and another, FSDP's and the replicas' collectives are c10d's in-place
+    ops (their buffers are preallocated), the others' (DTensor's, context parallel's, expert
+    parallel's) functional ones."""
+    if "+" not in label:
+        return label
+    data, other = label.split("+", 1)
+    return data if in_place else other
 
 
 class StepTrace(TorchDispatchMode):
@@ -254,10 +275,10 @@ class StepTrace(TorchDispatchMode):
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out) / split
             if name.startswith(_ATTENTION):
-                causal = 2 if _is_causal(func, args, kwargs) else 1
+                computed = _causal_share(name, args) if _is_causal(func, args, kwargs) else 1
                 s.attention_flops_full += flops
-                s.attention_flops += flops / causal
-                s.attention_scores += _attention_scores(name, args) / split / causal
+                s.attention_flops += flops * computed
+                s.attention_scores += _attention_scores(name, args) / split * computed
             else:
                 s.matmul_flops += flops
                 self._dtype_flops[_dtype_key(args)] += flops
@@ -269,6 +290,7 @@ class StepTrace(TorchDispatchMode):
         if kind is None:
             return
         group, ranks = self._group(args, kwargs)
+        group = _label_of_call(group, in_place=name.endswith("_"))
         if not name.endswith("_"):  # functional: (input, ...) -> output
             moved = _bytes(out) if kind == "all_gather" else _bytes(args[0])
         elif kind == "reduce_scatter":  # c10d's in-place ops: (output, input, ...)
@@ -377,6 +399,35 @@ def _attention_scores(name: str, args) -> int:
     query, key = tensors[0], tensors[1]
     keys = key.shape[-3] if name.startswith(("_flash", "_efficient")) else key.shape[-2]
     return query.numel() // query.shape[-1] * keys
+
+
+def _causal_share(name: str, args) -> float:
+    """The share of a causal attention's query x key blocks its kernel computes. GPU flash
+    kernels skip the masked blocks of small tiles: half. torch's CPU flash kernel tiles the
+    queries in blocks of 32, 64 or 256 (by the query length: under 192, under 768, longer) and
+    the keys in blocks of up to 512, and computes every key block a query block reaches in
+    full: a whole square up to 512 positions, 0.75 of it at 1024, tending to half
+    (`tests/test_step_time.py` times the kernel against this count)."""
+    if not name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+        return 0.5
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name.endswith("_backward"):
+        tensors = tensors[1:]
+    if len(tensors) < 2 or tensors[0].dim() != 4:
+        return 0.5
+    return cpu_flash_causal_share(int(tensors[0].shape[-2]), int(tensors[1].shape[-2]))
+
+
+def cpu_flash_causal_share(queries: int, keys: int) -> float:
+    """See `_causal_share`: key positions computed over queries x keys."""
+    q_block = 256 if queries >= 768 else 64 if queries >= 192 else 32
+    kv_block = 512 if keys >= 512 else keys
+    done = 0
+    for start in range(0, queries, q_block):
+        rows = min(q_block, queries - start)
+        reached = min(start + rows, keys)
+        done += rows * min(-(-reached // kv_block) * kv_block, keys)
+    return done / (queries * keys)
 
 
 def _is_causal(func, args, kwargs) -> bool:
