@@ -197,6 +197,17 @@ def _run_in_repo(cmd: list[str]) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def _run_bench_readme_command(script: str, extra: list[str] | None = None) -> list[dict]:
+    """Runs the bench README's one command for `script` as shown (with `extra` flags after it,
+    in this interpreter for `uv run python`) and returns the JSON lines it printed."""
+    (command,) = _bench_readme_commands(script)
+    argv = shlex.split(command)
+    assert argv[:3] == ["uv", "run", "python"], argv
+    done = _run_in_repo([sys.executable, *argv[3:], *(extra or [])])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 def test_bench_readme_throughput_commands_run_at_toy_sizes():
     commands = _bench_readme_commands("throughput.py")
     assert len(commands) == 4, commands
@@ -289,13 +300,8 @@ def test_bench_readme_ckpt_command_runs_at_toy_sizes():
 
 
 def test_bench_readme_long_context_command_runs_at_toy_sizes():
-    (command,) = _bench_readme_commands("long_context.py")
-    argv = shlex.split(command)
-    assert argv[:3] == ["uv", "run", "python"]
     toy = ["--seqs", "2048", "--cps", "2", "--steps", "1", "--median", "48", "--heads", "4"]
-    done = _run_in_repo([sys.executable, *argv[3:], *toy])
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _run_bench_readme_command("long_context.py", toy)
     assert [r["layout"] for r in rows] == ["one process", "CP 2 ring", "CP 2 all-to-all"]
     assert all(r["seq"] == 2048 and r["s_per_step"] > 0 for r in rows)
     ring = rows[1]
@@ -306,12 +312,7 @@ def test_bench_readme_long_context_command_runs_at_toy_sizes():
 
 
 def test_bench_readme_step_time_command_prices_the_recorded_runs():
-    (command,) = _bench_readme_commands("step_time_published.py")
-    argv = shlex.split(command)
-    assert argv[:3] == ["uv", "run", "python"], argv
-    done = _run_in_repo([sys.executable, *argv[3:]])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _run_bench_readme_command("step_time_published.py")
     *each, summary = rows
     assert summary["summary"] and summary["rows"] == len(each) >= 10, summary
     assert {r["source"] for r in each} >= {"torchtitan-benchmarks", "llama3-paper"}
@@ -322,12 +323,7 @@ def test_bench_readme_step_time_command_prices_the_recorded_runs():
 
 
 def test_bench_readme_step_time_cpu_command_measures_and_predicts():
-    (command,) = _bench_readme_commands("step_time_cpu.py")
-    argv = shlex.split(command)
-    assert argv[:3] == ["uv", "run", "python"], argv
-    done = _run_in_repo([sys.executable, *argv[3:]])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _run_bench_readme_command("step_time_cpu.py")
     layouts = [r for r in rows if "layout" in r]
     assert [r["layout"] for r in layouts] == ["1 process", "PP 2 (1F1B)"], rows
     for r in layouts:  # both measured and predicted; how close is the recorded run's test

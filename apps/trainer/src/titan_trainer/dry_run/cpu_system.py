@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from titan_trainer.dry_run.hardware import Link, System
+from titan_trainer.dry_run.step_time import ring_terms
 
 _SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24, 1 << 25)
 """Bytes of the collectives timed for the links' fits (1 KiB to 32 MiB: a tensor parallel
@@ -89,8 +90,8 @@ def measured_cpu_system(processes: int = 1, free: float | None = None) -> System
             # are the processes' own work. The all-gather timed among them, over what the
             # idle pair's fit says it takes, slows every kind's bandwidth.
             alone = by_kind["all_gather"]
-            n = processes
-            expected = (n - 1) * alone.latency_us * 1e-6 + (n - 1) / n * _EXCHANGE_BYTES / (
+            latencies, share = ring_terms("all_gather", processes)
+            expected = latencies * alone.latency_us * 1e-6 + share * _EXCHANGE_BYTES / (
                 alone.bandwidth_gbps * 1e9
             )
             slower = max(1.0, exchange / expected)
@@ -449,8 +450,8 @@ def fit_link(samples: list[tuple[str, int, float]], ranks: int) -> Link:
     passes x ((n - 1) alpha + (n - 1) / n x bytes / bandwidth)."""
     rows, times = [], []
     for kind, size, seconds in samples:
-        passes = 2 if kind == "all_reduce" else 1
-        rows.append([passes * (ranks - 1), passes * size * (ranks - 1) / ranks])
+        latencies, share = ring_terms(kind, ranks)
+        rows.append([latencies, share * size])
         times.append(seconds)
     # Relative errors: each sample weighted by its own time, the small ones count too.
     a, t = np.array(rows), np.array(times)

@@ -104,13 +104,21 @@ def collective_seconds(c: Collective, system: System, degrees: dict[str, int]) -
     link = system.intra_node if within_node else system.inter_node
     if within_node and c.kind in system.links_by_kind:
         link = system.links_by_kind[c.kind]
-    bandwidth = link.bandwidth_gbps * 1e9
-    alpha = link.latency_us * 1e-6
-    if c.kind == "send_recv":
-        return c.calls * alpha + c.bytes / bandwidth
-    passes = 2 if c.kind == "all_reduce" else 1
-    steps = n - 1
-    return passes * (c.calls * steps * alpha + c.bytes * steps / n / bandwidth)
+    latencies, share = ring_terms(c.kind, n)
+    return c.calls * latencies * link.latency_us * 1e-6 + c.bytes * share / (
+        link.bandwidth_gbps * 1e9
+    )
+
+
+def ring_terms(kind: str, ranks: int) -> tuple[float, float]:
+    """(latencies per call, the share of the tensor's bytes that crosses the link) of one
+    collective of `kind` over `ranks` as a ring: n - 1 steps and (n - 1) / n of the tensor,
+    twice for all-reduce (a reduce-scatter then an all-gather); one latency and the whole
+    tensor for a send."""
+    if kind == "send_recv":
+        return 1.0, 1.0
+    passes = 2 if kind == "all_reduce" else 1
+    return passes * (ranks - 1), passes * (ranks - 1) / ranks
 
 
 def compute_seconds(work: StepWork, system: System) -> tuple[float, float, float]:

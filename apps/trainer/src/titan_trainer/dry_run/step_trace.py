@@ -387,16 +387,13 @@ def _dtype_key(args) -> str:
 
 def _attention_scores(name: str, args) -> int:
     """Score elements of one attention call: batch x heads x query positions (the query's
-    elements over its head dimension) x key positions. The query and key are the first two
-    tensors, after the output's gradient for a backward; `_scaled_dot_product_*` and flex
-    attention lay them out (batch, heads, positions, head dim), the others (batch, positions,
+    elements over its head dimension) x key positions (`_query_and_key`).
+    `_scaled_dot_product_*` and flex attention lay them out (batch, heads, positions, head dim), the others (batch, positions,
     heads, head dim)."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if name.endswith("_backward"):
-        tensors = tensors[1:]
-    if len(tensors) < 2 or tensors[0].dim() != 4:
+    pair = _query_and_key(name, args)
+    if pair is None:
         return 0
-    query, key = tensors[0], tensors[1]
+    query, key = pair
     keys = key.shape[-3] if name.startswith(("_flash", "_efficient")) else key.shape[-2]
     return query.numel() // query.shape[-1] * keys
 
@@ -410,12 +407,22 @@ def _causal_share(name: str, args) -> float:
     (`tests/test_step_time.py` times the kernel against this count)."""
     if not name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
         return 0.5
+    pair = _query_and_key(name, args)
+    if pair is None:
+        return 0.5
+    query, key = pair
+    return cpu_flash_causal_share(int(query.shape[-2]), int(key.shape[-2]))
+
+
+def _query_and_key(name: str, args) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An attention call's query and key: its first two tensors, after the output's gradient
+    for a backward; None where they are not the 4-d tensors the kernels take."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if name.endswith("_backward"):
         tensors = tensors[1:]
     if len(tensors) < 2 or tensors[0].dim() != 4:
-        return 0.5
-    return cpu_flash_causal_share(int(tensors[0].shape[-2]), int(tensors[1].shape[-2]))
+        return None
+    return tensors[0], tensors[1]
 
 
 def cpu_flash_causal_share(queries: int, keys: int) -> float:
